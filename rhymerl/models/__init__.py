@@ -1,0 +1,15 @@
+"""Model folders: built-in models (converted once into a cache) and user HF folders.
+
+``resolve_model(cfg.model)`` returns a validated HF folder (config.json, safetensors,
+tokenizer) that transformers, vLLM and the Megatron backend all load from.
+"""
+
+from rhymerl.models.registry import (
+    SUPPORTED_ARCHITECTURES,
+    ModelError,
+    model_shape,
+    resolve_model,
+    validate_model_folder,
+)
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelError", "model_shape", "resolve_model", "validate_model_folder"]

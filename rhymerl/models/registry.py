@@ -1,0 +1,108 @@
+"""Resolve ``model.path`` to a validated HF folder, building built-in models once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from rhymerl.atomic import atomic_folder
+from rhymerl.config import ModelConfig, ModelShape, TinyModelConfig
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "llama",
+}
+BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
+BUILTIN_TINY = "builtin:tiny"
+
+
+class ModelError(ValueError):
+    """A model folder that cannot be used; the message says what is wrong."""
+
+
+def cache_root(model_cfg: ModelConfig) -> Path:
+    if model_cfg.cache_dir:
+        return Path(model_cfg.cache_dir).expanduser()
+    env = os.environ.get("RHYMERL_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "rhymerl"
+
+
+def validate_model_folder(folder: Path) -> dict:
+    """Check an HF folder has what every loader needs; return its config.json."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelError(f"model.path: {folder} is not a folder")
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ModelError(f"model.path: {folder} has no config.json")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelError(f"model.path: {cfg_file} is not valid JSON: {e}") from None
+    archs = config.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ModelError(
+            f"model.path: {folder} has architecture {archs or 'unknown'}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+    weights = list(folder.glob("*.safetensors"))
+    if not weights:
+        raise ModelError(f"model.path: {folder} has no *.safetensors weights (convert .bin checkpoints to safetensors)")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        missing = sorted(n for n in names if not (folder / n).is_file())
+        if missing:
+            raise ModelError(f"model.path: {folder} is missing weight shards {missing}")
+    if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
+        raise ModelError(f"model.path: {folder} has no tokenizer (tokenizer.json or tokenizer.model)")
+    for key in ("hidden_size", "num_attention_heads", "num_hidden_layers", "vocab_size"):
+        if key not in config:
+            raise ModelError(f"model.path: {cfg_file} lacks {key!r}")
+    return config
+
+
+def model_shape(folder: Path) -> ModelShape:
+    c = validate_model_folder(folder)
+    return ModelShape(
+        num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+        num_hidden_layers=c["num_hidden_layers"],
+        vocab_size=c["vocab_size"],
+        hidden_size=c["hidden_size"],
+        intermediate_size=c.get("intermediate_size", 4 * c["hidden_size"]),
+    )
+
+
+def _tiny_key(tiny: TinyModelConfig, dtype: str) -> str:
+    blob = json.dumps({**asdict(tiny), "dtype": dtype, "v": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def resolve_model(model_cfg: ModelConfig) -> Path:
+    path = model_cfg.path
+    if path == BUILTIN_TINY:
+        from rhymerl.models.tiny import write_tiny_model
+
+        folder = cache_root(model_cfg) / f"tiny-{model_cfg.tiny.architecture}-{_tiny_key(model_cfg.tiny, model_cfg.dtype)}"
+        if not (folder / "config.json").is_file():
+            with atomic_folder(folder) as tmp:
+                write_tiny_model(tmp, model_cfg.tiny, model_cfg.dtype)
+    elif path == BUILTIN_SMOLLM2:
+        from rhymerl.models.smollm2 import convert_smollm2
+
+        folder = cache_root(model_cfg) / f"smollm2-135m-instruct-{model_cfg.dtype}"
+        if not (folder / "config.json").is_file():
+            with atomic_folder(folder) as tmp:
+                convert_smollm2(tmp, model_cfg.dtype)
+    elif path.startswith("builtin:"):
+        raise ModelError(f"model.path: unknown built-in {path!r}; allowed: {BUILTIN_SMOLLM2!r}, {BUILTIN_TINY!r}, or an HF folder")
+    else:
+        folder = Path(path).expanduser()
+    validate_model_folder(folder)
+    return folder
