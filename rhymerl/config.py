@@ -301,6 +301,12 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        # YAML 1.1 reads "3e-6" (no dot) as a string; a user means a number.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{path}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):

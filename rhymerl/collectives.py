@@ -1,0 +1,51 @@
+"""Object collectives over an explicitly passed process group (no-ops on one process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class WorldComm:
+    rank: int = 0
+    world_size: int = 1
+    group: Optional[Any] = None  # a torch.distributed ProcessGroup; None = the default group
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.is_distributed:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.is_distributed:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def any_true(self, flag: bool) -> bool:
+        if not self.is_distributed:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.is_distributed:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)

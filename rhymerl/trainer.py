@@ -1,0 +1,380 @@
+"""The synchronous, on-policy RL step loop, and nothing else.
+
+plan (HistoPipe) -> rollout (vLLM + HistoSpec) -> reward -> advantages -> train
+-> reshard weights into the engine -> log -> checkpoint.
+
+Every rank runs this loop. Each rank owns one colocated rollout engine (a rollout
+instance); the step's requests are split across instances by the planner, the
+results are all-gathered so that every rank trains on the same full batch (the
+backend takes its data-parallel share), and the updated weights are streamed from
+the training backend into every engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from rhymerl.collectives import WorldComm
+from rhymerl.config import RunConfig, fingerprint, to_dict
+from rhymerl.data import EpochSampler, PromptRecord, few_shot_pool, load_records, render_prompt
+
+log = logging.getLogger("rhymerl.trainer")
+
+RESHARD_BUCKET_BYTES = 64 << 20
+
+
+@dataclass
+class Sample:
+    """One response of one prompt group in a step."""
+
+    group: int               # index into the step's prompt list
+    sample_idx: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    text: str = ""
+    reward: float = 0.0
+    correct: bool = False
+    reward_error: bool = False
+    reward_timeout: bool = False
+
+
+@dataclass
+class StepOutput:
+    step: int
+    epoch: int
+    metrics: dict
+    samples: list[Sample] = field(default_factory=list)
+
+
+def request_seed(run_seed: int, step: int, group_key: int, sample_idx: int) -> int:
+    """A per-request sampling seed: the same request samples the same tokens on resume."""
+    return zlib.crc32(f"{run_seed}:{step}:{group_key}:{sample_idx}".encode()) & 0x7FFFFFFF
+
+
+class Trainer:
+    """Holds the run's components; ``run()`` executes steps until the budget is spent."""
+
+    def __init__(self, cfg: RunConfig, comm: WorldComm, groups: Any, *, stop_requested: Callable[[], bool] = lambda: False):
+        from transformers import AutoTokenizer
+
+        from rhymerl.config import validate
+        from rhymerl.histopipe import HistoPipePlanner, LengthPredictor, NoopPlanner
+        from rhymerl.histospec import HistoryStore
+        from rhymerl.models import model_shape, resolve_model
+        from rhymerl.rewards import RewardPool
+        from rhymerl.rollout import RolloutEngine
+        from rhymerl.training import build_backend
+
+        self.cfg = cfg
+        self.comm = comm
+        self.groups = groups
+        self.stop_requested = stop_requested
+        self.run_dir = Path(cfg.run.output_dir)
+        self.model_path = resolve_model(cfg.model) if comm.rank == 0 else None
+        comm.barrier()
+        if self.model_path is None:
+            self.model_path = resolve_model(cfg.model)
+        self.dp_size = validate(cfg, model_shape(self.model_path), world_size=comm.world_size)
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self.records: list[PromptRecord] = load_records(cfg.data)
+        shots = few_shot_pool(self.records, cfg.data.few_shot, cfg.data.seed)
+        self.prompt_ids = [render_prompt(r, shots[r.id], self.tokenizer, cfg.data) for r in self.records]
+        from rhymerl.histospec import prompt_key
+
+        self.prompt_keys = [prompt_key(p) for p in self.prompt_ids]
+        self.sampler = EpochSampler(len(self.records), cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
+
+        self.history = HistoryStore(cfg.histospec, vocab_size=len(self.tokenizer))
+        self.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
+        self.num_instances = comm.world_size
+        if cfg.histopipe.enabled:
+            self.planner = HistoPipePlanner(cfg.histopipe, self.num_instances, cfg.rollout.max_num_seqs)
+        else:
+            self.planner = NoopPlanner(self.num_instances)
+
+        self.backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype, seed=cfg.run.seed)
+        self.ref_backend = None
+        if cfg.algo.kl_coef > 0:
+            # A frozen copy of the initial policy: never stepped, so its log-probs are the reference.
+            self.ref_backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype,
+                                             seed=cfg.run.seed)
+        self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + comm.rank,
+                                    history=self.history, dtype=cfg.model.dtype)
+        self.rewards = RewardPool(cfg.reward) if comm.rank == 0 else None
+        from rhymerl.algorithms import DynamicSamplingBuffer
+
+        self.ds_buffer = DynamicSamplingBuffer(cfg.data.prompts_per_step, cfg.algo.max_refill_rounds) \
+            if cfg.algo.dynamic_sampling else None
+        self.step = 0
+        self.deferred_samples = 0
+
+    # ------------------------------------------------------------------ state
+
+    def state_blobs(self) -> dict[str, Any]:
+        """Everything but the backend's weights/optimizer, for the checkpoint."""
+        return {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "history": self.history.to_bytes(),
+            "predictor": self.predictor.state_dict(),
+            "planner": self.planner.state_dict(),
+            "ds_buffer": self.ds_buffer.state_dict() if self.ds_buffer is not None else None,
+            "config": to_dict(self.cfg),
+            "config_fingerprint": fingerprint(self.cfg),
+        }
+
+    def load_state_blobs(self, blobs: dict[str, Any]) -> None:
+        from rhymerl.histospec import HistoryStore
+
+        self.step = int(blobs["step"])
+        self.sampler.load_state_dict(blobs["sampler"])
+        self.history = HistoryStore.from_bytes(blobs["history"], self.cfg.histospec)
+        self.engine.history = self.history
+        self.predictor.load_state_dict(blobs["predictor"])
+        self.planner.load_state_dict(blobs["planner"])
+        if self.ds_buffer is not None and blobs.get("ds_buffer") is not None:
+            self.ds_buffer.load_state_dict(blobs["ds_buffer"])
+
+    # ------------------------------------------------------------------ phases
+
+    def _rollout(self, batch_indices: list[int], epoch: int) -> tuple[list[Sample], dict, dict]:
+        """Plan and generate this step's responses on every instance; returns all samples (every rank)."""
+        from rhymerl.histopipe import PromptGroup
+        from rhymerl.rollout import SamplingSpec
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        groups = [PromptGroup(key=self.prompt_keys[i], index=g, prompt_len=len(self.prompt_ids[i]), n=cfg.rollout.n)
+                  for g, i in enumerate(batch_indices)]
+        history_lengths = lambda key: self.history.lengths(key) if self.history.has(key) else None  # noqa: E731
+        plan = self.planner.plan(self.step, groups, self.predictor, history_lengths)
+        t_plan = time.perf_counter() - t0
+
+        mine = plan.instances[self.comm.rank]
+        prompts = [self.prompt_ids[batch_indices[g]] for g, _ in mine]
+        seeds = [request_seed(cfg.run.seed, self.step, self.prompt_keys[batch_indices[g]], s) for g, s in mine]
+        spec = SamplingSpec(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+                            max_tokens=cfg.rollout.max_tokens, seeds=seeds)
+        t1 = time.perf_counter()
+        results = self.engine.generate(prompts, 1, spec, group_ids=[f"{self.step}:{g}" for g, _ in mine], epoch=epoch) \
+            if prompts else []
+        t_gen = time.perf_counter() - t1
+        local = []
+        for (g, s), res in zip(mine, results):
+            r = res.responses[0]
+            local.append(Sample(group=g, sample_idx=s, prompt_ids=self.prompt_ids[batch_indices[g]],
+                                token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason,
+                                text=self.tokenizer.decode(r.token_ids, skip_special_tokens=True)))
+        engine_metrics = self.engine.metrics()
+        gathered = self.comm.all_gather_object((local, engine_metrics, t_gen))
+        samples = sorted((s for part, _, _ in gathered for s in part), key=lambda s: (s.group, s.sample_idx))
+        per_instance_s = [t for _, _, t in gathered]
+
+        spec_m = _sum_engine_metrics([m for _, m, _ in gathered])
+        actual = {}
+        for s in samples:
+            actual.setdefault(s.group, []).append(len(s.token_ids))
+        pred = np.array([plan.predicted.get(g, np.nan) for g in sorted(actual)], dtype=float)
+        act = np.array([np.mean(actual[g]) for g in sorted(actual)], dtype=float)
+        ok = ~np.isnan(pred)
+        makespan = max(per_instance_s) if per_instance_s else 0.0
+        metrics = {
+            "time/plan_s": t_plan,
+            "time/rollout_s": time.perf_counter() - t1,
+            "histopipe/pred_len_mean": float(np.mean(pred[ok])) if ok.any() else float("nan"),
+            "histopipe/actual_len_mean": float(np.mean(act)),
+            "histopipe/pred_abs_err": float(np.mean(np.abs(pred[ok] - act[ok]))) if ok.any() else float("nan"),
+            # Idle instance-seconds over total instance-seconds: the cross-instance bubble.
+            "histopipe/bubble_fraction": float(1 - sum(per_instance_s) / (makespan * len(per_instance_s)))
+            if makespan > 0 else 0.0,
+            **{f"histospec/{k}": v for k, v in spec_m.items()},
+        }
+        for g in actual:
+            self.predictor.observe(self.prompt_keys[batch_indices[g]], actual[g])
+        return samples, metrics, {"plan": plan}
+
+    def _record_history(self, samples: list[Sample], batch_indices: list[int], epoch: int) -> None:
+        """Every rank adds every group of the step (all instances' responses, with rewards),
+        so each engine's HistoSpec drafts from the whole group next epoch."""
+        by_group: dict[int, list[Sample]] = {}
+        for s in samples:
+            by_group.setdefault(s.group, []).append(s)
+        for g, ss in sorted(by_group.items()):
+            ss.sort(key=lambda s: s.sample_idx)
+            self.history.add_group(self.prompt_keys[batch_indices[g]], epoch, [s.token_ids for s in ss],
+                                   [s.reward for s in ss])
+
+    def _score(self, samples: list[Sample], batch_indices: list[int]) -> dict:
+        from rhymerl.rewards import RewardItem
+
+        t0 = time.perf_counter()
+        if self.comm.rank == 0:
+            items = []
+            for s in samples:
+                rec = self.records[batch_indices[s.group]]
+                kind = "exact" if rec.reward == "reasoning_gym" else (rec.reward or "auto")
+                items.append(RewardItem(response_text=s.text, answer=rec.answer, kind=kind,
+                                        metadata=rec.metadata.get("entry", {}).get("metadata", rec.metadata)))
+            results = self.rewards.score(items)
+            scored = [(r.score, r.correct, r.error is not None, r.timed_out) for r in results]
+        else:
+            scored = None
+        scored = self.comm.broadcast_object(scored)
+        for s, (score, correct, err, to) in zip(samples, scored):
+            s.reward, s.correct, s.reward_error, s.reward_timeout = float(score), bool(correct), err, to
+        return {"time/reward_s": time.perf_counter() - t0,
+                "reward/errors": sum(s.reward_error for s in samples),
+                "reward/timeouts": sum(s.reward_timeout for s in samples)}
+
+    def _advantages(self, samples: list[Sample]) -> np.ndarray:
+        from rhymerl.algorithms import group_advantages, shape_overlong
+
+        a = self.cfg.algo
+        rewards = np.array([s.reward for s in samples])
+        if a.overlong_buffer > 0:
+            rewards = shape_overlong(rewards, [len(s.token_ids) for s in samples], self.cfg.rollout.max_tokens,
+                                     a.overlong_buffer, a.overlong_penalty)
+        return group_advantages(rewards, [s.group for s in samples], scale_by_std=a.scale_by_std)
+
+    def _policy_batch(self, samples: list[Sample], adv: np.ndarray):
+        from rhymerl.training.base import PolicyBatch
+
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        rows = [s.prompt_ids + s.token_ids for s in samples]
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), T))
+        eng = torch.zeros((len(rows), T))
+        for i, (s, r) in enumerate(zip(samples, rows)):
+            ids[i, :len(r)] = torch.tensor(r)
+            p = len(s.prompt_ids)
+            mask[i, p:len(r)] = 1.0
+            eng[i, p:len(r)] = torch.tensor(s.logprobs[:len(s.token_ids)], dtype=torch.float32)
+        return PolicyBatch(input_ids=ids, response_mask=mask, advantages=torch.tensor(adv, dtype=torch.float32),
+                           old_logprobs=torch.zeros_like(mask), engine_logprobs=eng)
+
+    def _train(self, samples: list[Sample], adv: np.ndarray) -> dict:
+        from rhymerl.algorithms import logprob_mismatch
+
+        t0 = time.perf_counter()
+        batch = self._policy_batch(samples, adv)
+        with torch.no_grad():
+            batch.old_logprobs = self.backend.compute_logprobs(batch.input_ids, batch.response_mask)
+            if self.ref_backend is not None:
+                batch.ref_logprobs = self.ref_backend.compute_logprobs(batch.input_ids, batch.response_mask)
+        mism = logprob_mismatch(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)
+        out = {}
+        for _ in range(self.cfg.algo.updates_per_step):
+            m = self.backend.train_step(batch)
+            out = {"train/loss": m.loss, "train/grad_norm": m.grad_norm, "train/lr": m.lr,
+                   **{f"train/{k}": v for k, v in m.extra.items()}}
+        out.update({f"train/logprob_{k}": v for k, v in mism.items()})
+        out["time/train_s"] = time.perf_counter() - t0
+        return out
+
+    def _reshard(self) -> dict:
+        t0 = time.perf_counter()
+        nbytes = 0
+
+        def stream():
+            nonlocal nbytes
+            for bucket in self.backend.export_hf_weights(RESHARD_BUCKET_BYTES):
+                for name, t in bucket:
+                    nbytes += t.numel() * t.element_size()
+                    yield name, t
+
+        # One streaming pass: the engine reloads every tensor of a fused layer in the same call.
+        self.engine.load_weights(stream())
+        dt = time.perf_counter() - t0
+        return {"time/reshard_s": dt, "reshard/gb_per_s": nbytes / dt / 1e9 if dt > 0 else 0.0}
+
+    # ------------------------------------------------------------------ step
+
+    def train_step(self) -> StepOutput:
+        cfg = self.cfg
+        t_step = time.perf_counter()
+        batch = self.sampler.next_batch()
+        idx = batch.indices
+        samples, metrics, _ = self._rollout(idx, batch.epoch)
+        metrics.update(self._score(samples, idx))
+        self._record_history(samples, idx, batch.epoch)
+        rewards = np.array([s.reward for s in samples])
+        metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+                        "reward/accuracy": float(np.mean([s.correct for s in samples]))})
+        if self.ds_buffer is not None:
+            samples, idx, ds_m = self._dynamic_sampling(samples, idx, batch.epoch)
+            metrics.update(ds_m)
+        adv = self._advantages(samples)
+        if len(samples):
+            metrics.update(self._train(samples, adv))
+            metrics.update(self._reshard())
+        lengths = [len(s.token_ids) for s in samples]
+        gen_tokens = sum(lengths)
+        metrics.update({
+            "response/len_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "response/len_max": int(max(lengths)) if lengths else 0,
+            "rollout/tokens_per_s": gen_tokens / metrics["time/rollout_s"] if metrics.get("time/rollout_s") else 0.0,
+            "epoch": batch.epoch,
+            "time/step_s": time.perf_counter() - t_step,
+        })
+        out = StepOutput(step=self.step, epoch=batch.epoch, metrics=metrics, samples=samples)
+        self.step += 1
+        return out
+
+    def _dynamic_sampling(self, samples: list[Sample], idx: list[int], epoch: int):
+        """DAPO: keep groups with non-constant rewards, refilling from further batches."""
+        buf = self.ds_buffer
+        buf.begin_step()
+        offset = 0
+        pool_idx: list[int] = []
+        pool: dict[int, list[Sample]] = {}
+
+        def add(ss: list[Sample], ii: list[int]):
+            nonlocal offset
+            grouped: dict[int, list[Sample]] = {}
+            for s in ss:
+                grouped.setdefault(s.group, []).append(s)
+            keys = sorted(grouped)
+            for g in keys:
+                for s in grouped[g]:
+                    s.group = g + offset
+                pool[g + offset] = grouped[g]
+            pool_idx.extend(ii)
+            buf.add([g + offset for g in keys], [[s.reward for s in grouped[g]] for g in keys])
+            offset += len(ii)
+
+        add(samples, idx)
+        while not buf.ready:
+            nb = self.sampler.next_batch()
+            ss, _, _ = self._rollout(nb.indices, nb.epoch)
+            self._score(ss, nb.indices)
+            self._record_history(ss, nb.indices, nb.epoch)
+            add(ss, nb.indices)
+        kept = buf.take()
+        out = [s for g in kept for s in pool[g]]
+        remap = {g: i for i, g in enumerate(kept)}
+        new_idx = [pool_idx[g] for g in kept]
+        for s in out:
+            s.group = remap[s.group]
+        return out, new_idx, {f"dapo/{k}": v for k, v in buf.last_step.items()}
+
+
+def _sum_engine_metrics(ms: list[dict]) -> dict:
+    keys = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s")
+    tot = {k: float(sum(m.get(k, 0) for m in ms)) for k in keys}
+    out = dict(tot)
+    out["acceptance"] = tot["draft_accepted"] / tot["draft_proposed"] if tot["draft_proposed"] else 0.0
+    out["tokens_per_forward"] = tot["generated_tokens"] / tot["target_forwards"] if tot["target_forwards"] else 1.0
+    return out

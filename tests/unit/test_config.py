@@ -1,0 +1,87 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rhymerl.config import ConfigError, ModelShape, RunConfig, load_config, to_yaml, validate
+
+pytestmark = pytest.mark.cpu
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_load_and_round_trip(tmp_path):
+    cfg = load_config(None)
+    assert isinstance(cfg, RunConfig)
+    f = tmp_path / "c.yaml"
+    f.write_text(to_yaml(cfg))
+    assert load_config(f) == cfg
+
+
+def test_override_types_and_paths():
+    cfg = load_config(None, ["algo.lr=3e-6", "rollout.n=8", "data.tasks=[chain_sum]", "histospec.tree=true"])
+    assert cfg.algo.lr == 3e-6 and cfg.rollout.n == 8 and cfg.data.tasks == ["chain_sum"] and cfg.histospec.tree
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("algo.lr=abc", "algo.lr"),
+    ("nonexistent.key=1", "nonexistent"),
+    ("rollout.nope=1", "rollout.nope"),
+    ("rollout.speculative=eagle", "allowed values"),
+    ("rollout.n=2.5", "rollout.n"),
+    ("histospec.tree=maybe", "histospec.tree"),
+    ("algo.name=grpo", None),
+])
+def test_bad_overrides_name_the_key(override, needle):
+    if needle is None:
+        load_config(None, [override])
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_unknown_yaml_key_names_its_path(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  tiny:\n    hiden_size: 3\n")
+    with pytest.raises(ConfigError, match=r"model\.tiny\.hiden_size"):
+        load_config(f)
+
+
+def test_impossible_combinations():
+    with pytest.raises(ConfigError, match="parallel.world_size"):
+        load_config(None, ["parallel.world_size=6", "parallel.tensor_parallel=4"])
+    with pytest.raises(ConfigError, match="algo.dynamic_sampling"):
+        load_config(None, ["algo.dynamic_sampling=true"])
+    cfg = load_config(None, ["parallel.tensor_parallel=3"])
+    shape = ModelShape(num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=4, vocab_size=10,
+                       hidden_size=64, intermediate_size=128)
+    with pytest.raises(ConfigError, match="allowed values"):
+        validate(cfg, shape, world_size=3)
+    cfg = load_config(None, ["parallel.pipeline_parallel=3"])
+    with pytest.raises(ConfigError, match="pipeline_parallel"):
+        validate(cfg, shape, world_size=3)
+    assert validate(load_config(None, ["parallel.tensor_parallel=2"]), shape, world_size=4) == 2
+
+
+@pytest.mark.parametrize("cfg_file", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
+def test_shipped_configs_validate(cfg_file):
+    cfg = load_config(REPO / "configs" / cfg_file)
+    validate(cfg, None, world_size=cfg.parallel.world_size or None)
+
+
+def test_cli_print_config_and_bad_override():
+    ok = subprocess.run([sys.executable, "-m", "rhymerl", "train", str(REPO / "configs/tiny-cpu.yaml"), "--print-config"],
+                        capture_output=True, text=True, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr
+    assert "histospec:" in ok.stdout and "max_tokens" in ok.stdout
+    for bad, key in (("algo.lr=abc", "algo.lr"), ("nonexistent.key=1", "nonexistent")):
+        r = subprocess.run([sys.executable, "-m", "rhymerl", "train", str(REPO / "configs/tiny-cpu.yaml"), bad, "--print-config"],
+                           capture_output=True, text=True, cwd=REPO)
+        assert r.returncode != 0 and key in r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["--help"], ["train", "--help"], ["bench", "--help"], ["simulate", "--help"], ["export", "--help"], ["slurm", "--help"]])
+def test_cli_help(cmd):
+    r = subprocess.run([sys.executable, "-m", "rhymerl", *cmd], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "usage" in r.stdout
