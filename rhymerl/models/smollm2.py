@@ -31,7 +31,19 @@ def convert_smollm2(folder: Path, dtype: str = "float32") -> None:
     gguf = find_smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=getattr(torch, dtype))
-    # The GGUF carries SmolLM2's ChatML template; keep the tokenizer's copy explicit.
-    model.config.architectures = ["LlamaForCausalLM"]
-    model.save_pretrained(str(folder), safe_serialization=True)
+    from safetensors.torch import save_file
+
+    # transformers refuses save_pretrained on a GGUF-loaded ("quantized") model even
+    # though the weights are already dequantised: write the plain tensors ourselves.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = ["LlamaForCausalLM"]
+    config.torch_dtype = dtype
+    state = {k: v.detach().to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(folder))
+    model.generation_config.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
