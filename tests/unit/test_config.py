@@ -64,10 +64,22 @@ def test_impossible_combinations():
     assert validate(load_config(None, ["parallel.tensor_parallel=2"]), shape, world_size=4) == 2
 
 
+# Published shapes of the models the cluster configs point at (their config.json values).
+KNOWN_SHAPES = {
+    "Qwen2.5-7B": ModelShape(num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28,
+                             vocab_size=152064, hidden_size=3584, intermediate_size=18944),
+    "Qwen2.5-32B": ModelShape(num_attention_heads=40, num_key_value_heads=8, num_hidden_layers=64,
+                              vocab_size=152064, hidden_size=5120, intermediate_size=27648),
+}
+
+
 @pytest.mark.parametrize("cfg_file", sorted(p.name for p in (REPO / "configs").glob("*.yaml")))
 def test_shipped_configs_validate(cfg_file):
     cfg = load_config(REPO / "configs" / cfg_file)
-    validate(cfg, None, world_size=cfg.parallel.world_size or None)
+    shape = KNOWN_SHAPES.get(Path(cfg.model.path).name)
+    if not cfg.model.path.startswith("builtin:"):
+        assert shape is not None, f"add the published shape of {cfg.model.path} to KNOWN_SHAPES"
+    validate(cfg, shape, world_size=cfg.parallel.world_size or None)
 
 
 def test_cli_print_config_and_bad_override():
