@@ -371,6 +371,12 @@ class Trainer:
         return out, new_idx, {f"dapo/{k}": v for k, v in buf.last_step.items()}
 
 
+    def close(self) -> None:
+        self.engine.shutdown()
+        if self.rewards is not None:
+            self.rewards.close()
+
+
 def _sum_engine_metrics(ms: list[dict]) -> dict:
     keys = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s")
     tot = {k: float(sum(m.get(k, 0) for m in ms)) for k in keys}

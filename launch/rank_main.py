@@ -1,0 +1,17 @@
+"""Entry point that every srun / torchrun task runs: `python -m launch.rank_main CONFIG [overrides]`.
+
+Rank and world size come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm
+(SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID); MASTER_ADDR/MASTER_PORT from the sbatch script.
+"""
+
+import os
+import sys
+
+from launch.train import launcher_env, run_from_config
+
+if __name__ == "__main__":
+    rank, world, local = launcher_env()
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_RANK", str(local))
+    sys.exit(run_from_config(sys.argv[1:]))

@@ -1,0 +1,159 @@
+"""The run driver: process groups -> trainer -> steps, with resume, tracking and preemption.
+
+`python -m rhymerl train CONFIG ...` lands in ``run_from_config`` (one process, or one
+rank of torchrun/srun when the launcher's environment says so). ``launch/rank_main.py``
+is the same entry for srun/torchrun tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+from rhymerl.config import ConfigError, RunConfig, load_config, to_dict
+
+log = logging.getLogger("rhymerl")
+
+
+def launcher_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun's or Slurm's environment; (0, 1, 0) otherwise."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and int(os.environ["SLURM_NTASKS"]) > 1:
+        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), int(os.environ.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+def _seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+class MetricsFile:
+    """``metrics.jsonl`` in the run folder: one line per step, rewritten up to the resume point."""
+
+    def __init__(self, path: Path, resume_step: int, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        keep = []
+        if path.is_file() and resume_step > 0:
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["step"] < resume_step:
+                        keep.append(line)
+                except (json.JSONDecodeError, KeyError):
+                    continue
+        from rhymerl.atomic import atomic_write_text
+
+        atomic_write_text(path, "".join(k + "\n" for k in keep))
+
+    def append(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, **{k: (v if isinstance(v, (int, float, str, bool)) or v is None else float(v))
+                                for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
+    import torch
+
+    from launch.preemption import PreemptionHandler, requeue_current_job
+    from rhymerl.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
+    from rhymerl.collectives import WorldComm
+    from rhymerl.trainer import Trainer
+    from rhymerl.tracking import Tracker
+    from rhymerl.training.process_groups import init_process_groups
+
+    if cfg.run.cpu_threads:
+        torch.set_num_threads(cfg.run.cpu_threads)
+    _seed_everything(cfg.run.seed + rank)
+    groups = init_process_groups(cfg.parallel, world_size, rank)
+    comm = WorldComm(rank=rank, world_size=world_size)
+    run_dir = Path(cfg.run.output_dir)
+    ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank, world_size, barrier=comm.barrier)
+    resume = comm.broadcast_object(str(ckpt.find_resume() or "") if rank == 0 else None)
+    loaded = ckpt.load(Path(resume)) if resume else None
+    if loaded is not None and loaded.config is not None:
+        check_compatible(loaded.config, to_dict(cfg))
+
+    preempt = PreemptionHandler()
+    trainer = Trainer(cfg, comm, groups, stop_requested=lambda: preempt.requested)
+    run_id = None
+    if loaded is not None:
+        trainer.load_state_blobs({**loaded.state["trainer"], "history": loaded.state["history"]})
+        trainer.backend.load_checkpoint(loaded.backend_dir)
+        # The engine must serve the checkpoint's weights, not the initial ones.
+        trainer._reshard()
+        if loaded.rank_state is not None:
+            restore_rng_state(loaded.rank_state["rng"])
+        run_id = loaded.state.get("wandb_run_id")
+        if rank == 0:
+            log.warning("resumed from %s at step %d", loaded.path, trainer.step)
+
+    total = cfg.run.max_steps or cfg.run.epochs * trainer.sampler.steps_per_epoch
+    tracker = Tracker(cfg.tracking, run_dir, cfg.run.name, to_dict(cfg), rank, resume_run_id=run_id, max_steps=total)
+    metrics_file = MetricsFile(run_dir / "metrics.jsonl", trainer.step, enabled=rank == 0)
+
+    def save() -> None:
+        blobs = trainer.state_blobs()
+        history = blobs.pop("history")
+        ckpt.save(trainer.step, {"trainer": blobs, "history": history, "wandb_run_id": tracker.run_id},
+                  rank_state={"rng": capture_rng_state()}, backend_save=trainer.backend.save_checkpoint,
+                  config=to_dict(cfg))
+
+    exit_code = 0
+    try:
+        while trainer.step < total:
+            out = trainer.train_step()
+            tracker.log(out.step, out.metrics)
+            tracker.log_lengths(out.step, [len(s.token_ids) for s in out.samples])
+            tracker.log_samples(out.step, [{"reward": s.reward, "response": s.text} for s in out.samples[:8]])
+            metrics_file.append(out.step, out.metrics)
+            stop = comm.any_true(preempt.requested)
+            if stop or ckpt.should_save(trainer.step) or trainer.step == total:
+                save()
+            if stop:
+                tracker.finish()
+                if rank == 0:
+                    requeued = requeue_current_job()
+                    log.warning("preempted after step %d: checkpoint saved%s", trainer.step,
+                                ", job requeued" if requeued else "")
+                return 0
+    except BaseException:
+        exit_code = 1
+        raise
+    finally:
+        tracker.finish(exit_code)
+        trainer.close()
+    return 0
+
+
+def run_from_config(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except ConfigError as e:
+        print(f"rhymerl: config error: {e}", file=sys.stderr)
+        return 2
+    rank, world_size, _ = launcher_env()
+    t0 = time.time()
+    rc = run(cfg, rank, world_size)
+    if rank == 0:
+        log.info("finished in %.1f s", time.time() - t0)
+    return rc
