@@ -115,7 +115,7 @@ class Trainer:
         self.rewards = RewardPool(cfg.reward) if comm.rank == 0 else None
         from rhymerl.algorithms import DynamicSamplingBuffer
 
-        self.ds_buffer = DynamicSamplingBuffer(cfg.data.prompts_per_step, cfg.algo.max_refill_rounds) \
+        self.ds_buffer = DynamicSamplingBuffer.from_config(cfg.algo, cfg.data.prompts_per_step) \
             if cfg.algo.dynamic_sampling else None
         self.step = 0
         self.deferred_samples = 0

@@ -1,0 +1,150 @@
+"""Clipped policy-gradient loss (GRPO / DAPO) on per-token log-probs.
+
+Everything takes log-probs of the sampled tokens, never logits, so that the
+Megatron backend (vocab-parallel log-softmax across TP ranks) and the DeepSpeed
+backend (full logits) share one loss. Shapes are ``[batch, tokens]`` padded, with
+``mask`` 1 on response tokens and 0 on prompt/padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from rhymerl.config import AlgorithmConfig
+
+
+def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (x * mask).sum()
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgorithmConfig,
+    ref_logprobs: Optional[torch.Tensor] = None,
+    *,
+    num_tokens: Optional[float] = None,
+    num_sequences: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-style clipped objective with DAPO's clip-higher, as a loss to minimise.
+
+    Per token ``l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
+    ``r = exp(logprobs - old_logprobs)``, plus ``kl_coef * k3(ref || current)``
+    when ``ref_logprobs`` is given (k3 = ``exp(ref - lp) - (ref - lp) - 1``,
+    Schulman's unbiased, non-negative estimator, as in GRPO).
+
+    Aggregation (``cfg.loss_agg``):
+      * ``"token"``: sum over all response tokens / number of response tokens
+        (DAPO: long responses weigh by their length);
+      * ``"sequence"``: mean over sequences of each sequence's token mean
+        (original GRPO: every response weighs the same).
+
+    ``advantages`` is per response ``[batch]`` or per token ``[batch, tokens]``.
+    When a batch is split into micro-batches or over data-parallel ranks, pass the
+    global ``num_tokens`` (token agg) or ``num_sequences`` (sequence agg): the loss
+    is then this shard's share, and summing the shards' gradients gives exactly the
+    full batch's gradient.
+
+    Metrics (python floats, one device sync): ``clip_frac`` (tokens whose gradient
+    the clip removed), ``clip_frac_low`` / ``clip_frac_high``, ``approx_kl``
+    (k3 of old vs current), ``ratio_mean`` / ``ratio_max`` / ``ratio_min``,
+    ``entropy`` (mean NLL of the sampled tokens: a cheap entropy estimate),
+    ``kl_ref`` when a reference is given, ``tokens``.
+    """
+    if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
+        raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
+                         f"and mask {tuple(mask.shape)} must have the same [batch, tokens] shape")
+    if logprobs.dim() != 2:
+        raise ValueError(f"expected [batch, tokens] log-probs, got shape {tuple(logprobs.shape)}")
+    # bf16 cannot count past 256 tokens exactly nor hold ratios near 1 finely: work in >= fp32.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    logprobs = logprobs.to(dtype)
+    old_logprobs = old_logprobs.to(dtype)
+    if ref_logprobs is not None:
+        ref_logprobs = ref_logprobs.to(dtype)
+    mask = mask.to(dtype)
+    adv = advantages.to(device=logprobs.device, dtype=dtype)
+    if adv.dim() == 1:
+        adv = adv[:, None]
+    elif adv.shape != logprobs.shape:
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [batch] or [batch, tokens]")
+    old = old_logprobs.detach()
+
+    log_ratio = logprobs - old
+    ratio = torch.exp(log_ratio)
+    lo, hi = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, lo, hi)
+    per_token = torch.maximum(unclipped, clipped)
+
+    kl_ref = None
+    if ref_logprobs is not None:
+        d = ref_logprobs.detach() - logprobs
+        kl_ref = torch.exp(d) - d - 1.0
+        if cfg.kl_coef:
+            per_token = per_token + cfg.kl_coef * kl_ref
+
+    seq_tokens = mask.sum(dim=1)
+    if cfg.loss_agg == "token":
+        denom = float(num_tokens) if num_tokens is not None else seq_tokens.sum().clamp_min(1.0)
+        loss = _masked_sum(per_token, mask) / denom
+    elif cfg.loss_agg == "sequence":
+        per_seq = (per_token * mask).sum(dim=1) / seq_tokens.clamp_min(1.0)
+        denom = float(num_sequences) if num_sequences is not None else max(logprobs.shape[0], 1)
+        loss = per_seq.sum() / denom
+    else:
+        raise ValueError(f"algo.loss_agg: unknown aggregation {cfg.loss_agg!r}; allowed: 'token', 'sequence'")
+
+    with torch.no_grad():
+        n = mask.sum().clamp_min(1.0)
+        # The clip is active (zero gradient) where the clipped branch is strictly larger.
+        active = (clipped > unclipped).to(mask.dtype) * mask
+        low = active * (ratio < lo).to(mask.dtype)
+        high = active * (ratio > hi).to(mask.dtype)
+        k3_old = torch.exp(-log_ratio) - 1.0 + log_ratio
+        big = torch.finfo(ratio.dtype).max
+        valid = mask > 0
+        stats = [
+            active.sum() / n,
+            low.sum() / n,
+            high.sum() / n,
+            _masked_sum(k3_old, mask) / n,
+            _masked_sum(ratio, mask) / n,
+            torch.where(valid, ratio, torch.full_like(ratio, -big)).max(),
+            torch.where(valid, ratio, torch.full_like(ratio, big)).min(),
+            -_masked_sum(logprobs.detach(), mask) / n,
+            mask.sum(),
+        ]
+        names = ["clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl",
+                 "ratio_mean", "ratio_max", "ratio_min", "entropy", "tokens"]
+        if kl_ref is not None:
+            stats.append(_masked_sum(kl_ref.detach(), mask) / n)
+            names.append("kl_ref")
+        values = torch.stack([s.float() for s in stats]).tolist()
+    metrics = dict(zip(names, values))
+    if not valid.any():
+        metrics["ratio_max"] = metrics["ratio_min"] = float("nan")
+    return loss, metrics
+
+
+def logprob_mismatch(engine_logprobs: Any, trainer_logprobs: Any, mask: Any) -> dict[str, float]:
+    """Max and mean |engine - trainer| log-prob over masked tokens.
+
+    The engine's log-probs come from vLLM with weights resharded from the trainer;
+    a large value means a wrong resharding map (or a numerics gap such as bf16 vs
+    fp32). Accepts torch tensors or NumPy arrays of equal shape.
+    """
+    e = torch.as_tensor(engine_logprobs, dtype=torch.float64)
+    t = torch.as_tensor(trainer_logprobs, dtype=torch.float64, device=e.device)
+    m = torch.as_tensor(mask, device=e.device) > 0
+    if e.shape != t.shape or e.shape != m.shape:
+        raise ValueError(f"engine {tuple(e.shape)}, trainer {tuple(t.shape)} and mask {tuple(m.shape)} must match")
+    if not m.any():
+        return {"max_abs": 0.0, "mean_abs": 0.0, "tokens": 0.0}
+    d = (e - t).abs()[m]
+    mx, mean = torch.stack([d.max(), d.mean()]).tolist()
+    return {"max_abs": mx, "mean_abs": mean, "tokens": float(m.sum().item())}

@@ -1,0 +1,304 @@
+"""A process pool that scores responses with a hard per-item timeout.
+
+Why processes and not threads: a verifier stuck in SymPy (or a regex on a
+pathological answer) cannot be interrupted from another thread, and
+math-verify's own timeout uses ``signal.alarm``, which works only in a process's
+main thread. Each worker runs the scorer in its main thread (so math-verify's
+alarm works as its first line of defence) and the pool kills a worker that
+overruns ``timeout_s`` by its process handle, then starts a replacement.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import deque
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional, Sequence
+
+from rhymerl.config import RewardConfig
+from rhymerl.rewards.scorers import BUILTIN_SCORERS, RewardItem, RewardResult, Scorer, resolve_kind
+
+# Modules a worker imports before it reports ready, so the first item's
+# timeout is not spent importing SymPy.
+DEFAULT_PRELOAD = ("math_verify", "reasoning_gym")
+# A worker that cannot start (import error, bad scorer) this many times in a row is fatal.
+_MAX_START_FAILURES = 3
+_START_TIMEOUT_S = 120.0
+_MAX_CHUNK = 16
+
+
+def score_one(item: RewardItem, kind: str, scorers: dict[str, Scorer]) -> RewardResult:
+    """Run one scorer in this process, turning any exception into a 0 score."""
+    t0 = time.perf_counter()
+    try:
+        fn = scorers.get(kind)
+        if fn is None:
+            raise KeyError(f"no reward scorer named {kind!r}; known: {', '.join(sorted(scorers))}")
+        out = fn(item)
+        res = out if isinstance(out, RewardResult) else RewardResult(score=float(out), correct=float(out) >= 1.0)
+        if not math.isfinite(res.score):
+            raise ValueError(f"scorer {kind!r} returned a non-finite score {res.score!r}")
+    except Exception as e:  # a broken verifier must never crash the run
+        res = RewardResult(score=0.0, correct=False, error=f"{type(e).__name__}: {e}"[:500])
+    res.elapsed_s = time.perf_counter() - t0
+    return res
+
+
+def _worker_main(conn: Connection, scorers: dict[str, Scorer], preload: Sequence[str]) -> None:
+    # Ctrl-C goes to the whole process group; the parent decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import importlib
+
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass  # the scorer that needs it reports the error per item
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        # A chunk of items; each result goes back as soon as it is ready so the
+        # parent can restart the timeout per item.
+        for seq, item, kind in msg:
+            res = score_one(item, kind, scorers)
+            try:
+                conn.send((seq, res))
+            except Exception as e:  # e.g. an unpicklable field in a custom result
+                conn.send((seq, RewardResult(error=f"cannot send result: {type(e).__name__}: {e}"[:500])))
+
+
+class _Worker:
+    __slots__ = ("proc", "conn", "pid", "ready", "jobs", "deadline")
+
+    def __init__(self, proc, conn):
+        self.proc = proc
+        self.conn = conn
+        self.pid: int = proc.pid
+        self.ready = False
+        # Items sent and not yet answered; jobs[0] is the one being scored.
+        self.jobs: deque[int] = deque()
+        self.deadline = 0.0
+
+
+class RewardPool:
+    """Scores batches of :class:`RewardItem` in ``cfg.workers`` processes.
+
+    ``score(items)`` returns one :class:`RewardResult` per item, in order. Each
+    item gets ``cfg.timeout_s`` from the moment its worker starts on it; past that it
+    scores 0 with ``timed_out=True`` and its worker is killed (SIGKILL on the
+    recorded process) and replaced. An exception in a scorer, or a worker dying,
+    scores 0 with ``error`` set and is counted in ``stats["errors"]``.
+
+    ``cfg.workers == 0`` scores in the calling process: no timeout can be enforced
+    there (a looping scorer blocks the caller), only exceptions are contained;
+    math-verify's own alarm-based timeout still applies when called from the main
+    thread. Use it for debugging and tests, not for training.
+
+    Workers come from a fork server that preloads math-verify and reasoning-gym
+    (``start_method="spawn"`` also works, but a replacement then takes seconds).
+    ``scorers`` adds named scorers (module-level functions, so they pickle to
+    the workers) next to the built-in ``math_verify`` and ``exact``; an
+    item's ``kind`` (or a non-"auto" ``cfg.kind``) selects one.
+    """
+
+    def __init__(
+        self,
+        cfg: RewardConfig,
+        scorers: Optional[dict[str, Scorer]] = None,
+        *,
+        start_method: str = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn",
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+    ):
+        self.cfg = cfg
+        self.scorers: dict[str, Scorer] = {**BUILTIN_SCORERS, **(scorers or {})}
+        self.preload = tuple(preload)
+        self.stats: dict[str, Any] = {"items": 0, "errors": 0, "timeouts": 0, "restarts": 0,
+                                      "calls": 0, "wall_s": 0.0, "scorer_s": 0.0, "killed_pids": []}
+        self._ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            # The fork server imports these once; every worker, replacements after a
+            # timeout included, then forks ready in milliseconds instead of re-importing
+            # SymPy (seconds). A fork server started earlier by someone else keeps its
+            # own preload list; workers then import at start, which is only slower.
+            self._ctx.set_forkserver_preload(["rhymerl.rewards.pool", *self.preload])
+        self._workers: list[_Worker] = []
+        self._start_failures = 0
+        self._closed = False
+        for _ in range(cfg.workers):
+            self._workers.append(self._spawn())
+
+    # ------------------------------------------------------------------ workers
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.scorers, self.preload),
+                                 name="rhymerl-reward", daemon=True)
+        proc.start()
+        child.close()
+        return _Worker(proc, parent)
+
+    def _kill(self, w: _Worker) -> None:
+        try:
+            w.proc.kill()
+        except Exception:
+            pass
+        w.proc.join(5)
+        w.conn.close()
+
+    def _replace(self, w: _Worker) -> _Worker:
+        self._kill(w)
+        nw = self._spawn()
+        self._workers[self._workers.index(w)] = nw
+        self.stats["restarts"] += 1
+        return nw
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [w.pid for w in self._workers]
+
+    def wait_ready(self, timeout_s: float = _START_TIMEOUT_S) -> None:
+        """Block until every worker has started (imports done)."""
+        self._run([], timeout_s)
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(self, items: Sequence[RewardItem]) -> list[RewardResult]:
+        if self._closed:
+            raise RuntimeError("RewardPool.score called after close()")
+        t0 = time.perf_counter()
+        kinds = [resolve_kind(it, self.cfg.kind) for it in items]
+        if not self._workers:
+            results = [score_one(it, k, self.scorers) for it, k in zip(items, kinds)]
+        else:
+            results = self._run(list(zip(items, kinds)), None)
+        self.stats["calls"] += 1
+        self.stats["items"] += len(results)
+        self.stats["wall_s"] += time.perf_counter() - t0
+        for r in results:
+            self.stats["scorer_s"] += r.elapsed_s
+            self.stats["errors"] += int(r.error is not None)
+            self.stats["timeouts"] += int(r.timed_out)
+        return results
+
+    def _run(self, jobs: list[tuple[RewardItem, str]], start_timeout: Optional[float]) -> list[RewardResult]:
+        results: list[Optional[RewardResult]] = [None] * len(jobs)
+        pending = deque(range(len(jobs)))
+        timeout = self.cfg.timeout_s
+        start_limit = start_timeout or _START_TIMEOUT_S
+        start_deadline = time.monotonic() + start_limit
+        single = False  # set after an unpicklable item: send one by one to isolate it
+        while True:
+            now = time.monotonic()
+            for w in list(self._workers):
+                while w.ready and not w.jobs and pending:
+                    # Chunks cut the per-item round trip; small enough to keep workers balanced.
+                    k = 1 if single else max(1, min(_MAX_CHUNK, -(-len(pending) // (2 * len(self._workers)))))
+                    chunk = [pending.popleft() for _ in range(min(k, len(pending)))]
+                    try:
+                        w.conn.send([(i, jobs[i][0], jobs[i][1]) for i in chunk])
+                    except (BrokenPipeError, ConnectionResetError, EOFError):
+                        # Died while idle: nothing of the chunk ran, so requeue it.
+                        pending.extendleft(reversed(chunk))
+                        w = self._replace(w)
+                        continue
+                    except Exception as e:  # unpicklable: pickling fails before any byte is written
+                        if len(chunk) > 1:
+                            pending.extendleft(reversed(chunk))
+                            single = True
+                        else:
+                            results[chunk[0]] = RewardResult(
+                                error=f"cannot send item to a worker: {type(e).__name__}: {e}"[:500])
+                        continue
+                    w.jobs.extend(chunk)
+                    w.deadline = now + timeout
+            busy = [w for w in self._workers if w.jobs]
+            starting = [w for w in self._workers if not w.ready]
+            if not pending and not busy and (jobs or not starting):
+                break
+            if not busy and now > start_deadline:
+                raise RuntimeError(f"reward workers did not start within {start_limit:.0f} s")
+            wake = min((w.deadline for w in busy), default=start_deadline)
+            watched = busy + starting
+            by_conn = {id(w.conn): w for w in watched}
+            for c in wait([w.conn for w in watched], timeout=max(0.0, wake - now)):
+                w = by_conn[id(c)]
+                while w in self._workers:
+                    try:
+                        if not c.poll():
+                            break
+                        msg = c.recv()
+                    except (EOFError, OSError):
+                        self._on_death(w, results, pending)
+                        break
+                    if msg[0] == "ready":
+                        w.ready = True
+                        self._start_failures = 0
+                    elif w.jobs and msg[0] == w.jobs[0]:
+                        results[w.jobs.popleft()] = msg[1]
+                        w.deadline = time.monotonic() + timeout
+            now = time.monotonic()
+            for w in list(self._workers):
+                if w.jobs and now >= w.deadline:
+                    results[w.jobs.popleft()] = RewardResult(
+                        score=0.0, timed_out=True, elapsed_s=timeout,
+                        error=f"timed out after {timeout:g} s (worker pid {w.pid} killed)")
+                    pending.extendleft(reversed(w.jobs))
+                    self.stats["killed_pids"].append(w.pid)
+                    self._replace(w)
+        return [r if r is not None else RewardResult(error="lost") for r in results]
+
+    def _on_death(self, w: _Worker, results: list[Optional[RewardResult]], pending: deque) -> None:
+        w.proc.join(5)
+        code = w.proc.exitcode
+        if w.jobs:
+            results[w.jobs.popleft()] = RewardResult(score=0.0, error=f"reward worker pid {w.pid} died (exit code {code})")
+            pending.extendleft(reversed(w.jobs))
+        elif not w.ready:
+            self._start_failures += 1
+            if self._start_failures >= _MAX_START_FAILURES:
+                raise RuntimeError(f"reward worker failed to start {self._start_failures} times "
+                                   f"(last exit code {code}); check the scorers and preload modules")
+        self._replace(w)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            try:
+                if not w.jobs and w.ready:
+                    w.conn.send(None)
+            except Exception:
+                pass
+        for w in self._workers:
+            if not w.ready:
+                w.proc.kill()  # still importing: nothing to finish
+            w.proc.join(1)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(5)
+            w.conn.close()
+        self._workers = []
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,183 @@
+"""Reward items, results, answer extraction and the built-in scorers.
+
+A scorer is a module-level function ``(item: RewardItem) -> float | RewardResult``
+so that it pickles by reference into spawned worker processes.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Optional, Union
+
+# The item kinds the built-in scorers understand; "auto" picks one per item.
+KINDS = ("auto", "math_verify", "exact")
+
+
+@dataclass
+class RewardItem:
+    """One response to score. Plain data, so it pickles to worker processes."""
+
+    response_text: str
+    answer: str  # the gold answer
+    kind: str = "auto"
+    # For reasoning-gym entries: the entry's metadata (its "source_dataset" selects
+    # the dataset's own score_answer). Must be picklable.
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RewardResult:
+    score: float = 0.0
+    correct: bool = False
+    extracted: Optional[str] = None
+    timed_out: bool = False
+    error: Optional[str] = None
+    # Seconds spent inside the scorer (not counting pool transport).
+    elapsed_s: float = 0.0
+
+
+Scorer = Callable[[RewardItem], Union[float, RewardResult]]
+
+_ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced."""
+    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
+    if start < 0:
+        return None
+    i = text.index("{", start) + 1
+    depth = 1
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j].strip()
+    return None
+
+
+def extract_answer(text: str) -> Optional[str]:
+    """The final answer of a response, by precedence.
+
+    1. the last ``<answer>...</answer>`` (reasoning-gym's format);
+    2. the last ``\\boxed{...}``;
+    3. the last number on the last non-empty line ("... so the answer is -129.");
+    4. that last line itself.
+    """
+    tags = _ANSWER_TAG.findall(text)
+    if tags:
+        return tags[-1].strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    if not lines:
+        return None
+    nums = _NUMBER.findall(lines[-1])
+    if nums:
+        return nums[-1].replace(",", "")
+    return lines[-1]
+
+
+def _normalise(s: str) -> str:
+    s = s.strip().strip("$").strip()
+    s = re.sub(r"\s+", " ", s)
+    if s.endswith(".") and not _NUMBER.fullmatch(s):
+        s = s[:-1].rstrip()
+    # Numeric answers compare as numbers ("12.0" == "12", "1,000" == "1000").
+    n = s.replace(",", "")
+    if _NUMBER.fullmatch(n):
+        try:
+            f = float(n)
+            return repr(int(f)) if f.is_integer() and abs(f) < 2**53 else repr(f)
+        except ValueError:
+            pass
+    return s
+
+
+@lru_cache(maxsize=64)
+def _rg_score_fn(name: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def exact_score(item: RewardItem) -> RewardResult:
+    """Exact match for the built-in synthetic tasks.
+
+    A reasoning-gym entry (``metadata["source_dataset"]`` names a registered
+    dataset) is scored by that dataset's own ``score_answer`` (which may give
+    partial credit); anything else by normalised string/number equality.
+    """
+    extracted = extract_answer(item.response_text)
+    source = item.metadata.get("source_dataset") if item.metadata else None
+    if source:
+        fn = _rg_score_fn(source)
+        score = float(fn(extracted, {"question": item.metadata.get("question", ""),
+                                     "answer": item.answer, "metadata": item.metadata}))
+    else:
+        score = float(extracted is not None and _normalise(extracted) == _normalise(item.answer))
+    return RewardResult(score=score, correct=score >= 1.0, extracted=extracted)
+
+
+def _mv_timeout() -> Optional[int]:
+    # math-verify times out with signal.alarm, which only works in a main thread;
+    # elsewhere (a thread of the trainer with workers=0) it raises, so run without it.
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return _MV_TIMEOUT_S
+
+
+# Per parse/compare; the pool's hard timeout is the backstop above it.
+_MV_TIMEOUT_S = 2
+
+
+def math_verify_score(item: RewardItem) -> RewardResult:
+    """math-verify: parse gold and prediction to SymPy, compare symbolically/numerically.
+
+    The prediction is parsed from the ``<answer>`` tag's content when present,
+    else from the whole response (math-verify finds ``\\boxed{}``, "final answer
+    is", LaTeX and plain expressions itself). A plain gold (``1/2``) is read as
+    LaTeX-math so that ``\\frac12``, ``0.5`` and ``1/2`` all match.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    t = _mv_timeout()
+    gold_text = item.answer.strip()
+    if "$" not in gold_text and "\\boxed" not in gold_text:
+        gold_text = f"${gold_text}$"
+    cfgs = [LatexExtractionConfig(), ExprExtractionConfig()]
+    gold = parse(gold_text, extraction_config=cfgs, parsing_timeout=t)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the gold answer {item.answer!r}")
+    tags = _ANSWER_TAG.findall(item.response_text)
+    pred_text = item.response_text
+    if tags:
+        inner = tags[-1].strip()
+        pred_text = inner if ("$" in inner or "\\boxed" in inner) else f"${inner}$"
+    pred = parse(pred_text, extraction_config=cfgs, parsing_timeout=t)
+    ok = bool(pred) and verify(gold, pred, timeout_seconds=t)
+    extracted = None
+    if pred:
+        extracted = str(pred[-1]) if isinstance(pred[-1], str) else str(pred[0])
+    return RewardResult(score=float(ok), correct=ok, extracted=extracted)
+
+
+BUILTIN_SCORERS: dict[str, Scorer] = {"math_verify": math_verify_score, "exact": exact_score}
+
+
+def resolve_kind(item: RewardItem, cfg_kind: str) -> str:
+    """The scorer name for an item: the config's kind unless "auto", then the item's;
+    an "auto" item goes to the reasoning-gym/exact scorer when it carries a
+    reasoning-gym ``source_dataset``, else to math-verify."""
+    if cfg_kind != "auto":
+        return cfg_kind
+    if item.kind != "auto":
+        return item.kind
+    return "exact" if item.metadata and item.metadata.get("source_dataset") else "math_verify"

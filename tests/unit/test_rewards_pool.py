@@ -1,0 +1,112 @@
+"""RewardPool with real worker processes (spawn) and the real scorers."""
+
+import os
+import time
+
+import pytest
+
+from rhymerl.config import RewardConfig
+from rhymerl.rewards import RewardItem, RewardPool
+
+pytestmark = pytest.mark.cpu
+
+
+# Module-level so they pickle by reference into spawned workers.
+def loop_forever(item):
+    while True:
+        pass
+
+
+def sleepy(item):
+    time.sleep(float(item.answer))
+    return 1.0
+
+
+def broken(item):
+    raise ZeroDivisionError("scorer bug")
+
+
+def hard_exit(item):
+    os._exit(3)
+
+
+SCORERS = {"loop": loop_forever, "sleep": sleepy, "broken": broken, "exit": hard_exit}
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child not yet reaped is a zombie: count it as gone.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RewardPool(RewardConfig(workers=2, timeout_s=1.0), scorers=SCORERS)
+    p.wait_ready()
+    yield p
+    p.close()
+
+
+def _math(resp, gold):
+    return RewardItem(resp, gold, kind="math_verify")
+
+
+def test_pool_scores_real_items_in_order(pool):
+    items = [_math(r"\boxed{0.5}", "1/2"), _math(r"\boxed{3}", "4"),
+             RewardItem("<answer>-129</answer>", "-129", metadata={"source_dataset": "basic_arithmetic"})]
+    res = pool.score(items * 3)
+    assert [r.score for r in res] == [1.0, 0.0, 1.0] * 3
+    assert all(r.error is None and not r.timed_out for r in res)
+
+
+def test_timeout_kills_stuck_worker_and_pool_keeps_working(pool):
+    before = list(pool.worker_pids)
+    t0 = time.monotonic()
+    res = pool.score([RewardItem("x", "0", kind="loop"), _math(r"\boxed{2}", "2")])
+    took = time.monotonic() - t0
+    assert took < pool.cfg.timeout_s + 1.0, took
+    assert res[0].timed_out and res[0].score == 0.0
+    assert res[1].score == 1.0 and not res[1].timed_out
+    killed = pool.stats["killed_pids"][-1]
+    assert killed in before and killed not in pool.worker_pids
+    assert not _alive(killed)
+    again = pool.score([_math(r"\boxed{2}", "2"), RewardItem("y", "0.05", kind="sleep")] * 2)
+    assert [r.score for r in again] == [1.0, 1.0, 1.0, 1.0]
+    assert pool.stats["timeouts"] >= 1 and pool.stats["restarts"] >= 1
+
+
+def test_exceptions_and_dead_workers_score_zero_and_are_counted(pool):
+    errors = pool.stats["errors"]
+    res = pool.score([RewardItem("x", "1", kind="broken"), RewardItem("x", "1", kind="exit"),
+                      RewardItem("x", "1", kind="nonexistent"), _math(r"\boxed{1}", "1")])
+    assert [r.score for r in res] == [0.0, 0.0, 0.0, 1.0]
+    assert "ZeroDivisionError: scorer bug" in res[0].error
+    assert "died" in res[1].error and "exit code 3" in res[1].error
+    assert "no reward scorer named 'nonexistent'" in res[2].error
+    assert pool.stats["errors"] == errors + 3
+    assert pool.score([_math(r"\boxed{5}", "5")])[0].score == 1.0
+
+
+def test_in_process_pool_contains_exceptions():
+    p = RewardPool(RewardConfig(workers=0), scorers=SCORERS)
+    res = p.score([RewardItem("x", "1", kind="broken"), _math(r"\boxed{\frac{2}{4}}", "0.5")])
+    assert res[0].score == 0.0 and res[0].error and res[1].score == 1.0
+    assert p.stats["errors"] == 1
+    p.close()
+
+
+def test_single_worker_requeues_the_rest_of_a_timed_out_chunk():
+    with RewardPool(RewardConfig(workers=1, timeout_s=0.5), scorers=SCORERS) as p:
+        p.wait_ready()
+        t0 = time.monotonic()
+        res = p.score([RewardItem("x", "0", kind="loop"), _math(r"\boxed{2}", "2"), _math(r"\boxed{3}", "2")])
+        assert time.monotonic() - t0 < 0.5 + 1.0
+        assert [(r.score, r.timed_out) for r in res] == [(0.0, True), (1.0, False), (0.0, False)]
+        assert p.stats["restarts"] == 1 and len(p.worker_pids) == 1
