@@ -150,6 +150,7 @@ class AlgorithmConfig:
     loss_agg: Literal["token", "sequence"] = "token"
     # Normalise advantages by the group std (GRPO) or only centre them (Dr. GRPO style).
     scale_by_std: bool = True
+    adv_eps: float = 1e-6
     dynamic_sampling: bool = False
     # Upper bound on rollout batches drawn to refill a dynamic-sampling batch.
     max_refill_rounds: int = 3
@@ -185,6 +186,8 @@ class RewardConfig:
     kind: Literal["auto", "math_verify", "exact"] = "auto"
     workers: int = 2
     timeout_s: float = 5.0
+    # forkserver preloads the verifiers once, so a worker replaced after a timeout is ready in ms.
+    start_method: Literal["forkserver", "spawn"] = "forkserver"
 
 
 @dataclass

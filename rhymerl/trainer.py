@@ -112,7 +112,7 @@ class Trainer:
                                              seed=cfg.run.seed)
         self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + comm.rank,
                                     history=self.history, dtype=cfg.model.dtype)
-        self.rewards = RewardPool(cfg.reward) if comm.rank == 0 else None
+        self.rewards = RewardPool(cfg.reward, start_method=cfg.reward.start_method) if comm.rank == 0 else None
         from rhymerl.algorithms import DynamicSamplingBuffer
 
         self.ds_buffer = DynamicSamplingBuffer.from_config(cfg.algo, cfg.data.prompts_per_step) \
@@ -246,7 +246,7 @@ class Trainer:
         if a.overlong_buffer > 0:
             rewards = shape_overlong(rewards, [len(s.token_ids) for s in samples], self.cfg.rollout.max_tokens,
                                      a.overlong_buffer, a.overlong_penalty)
-        return group_advantages(rewards, [s.group for s in samples], scale_by_std=a.scale_by_std)
+        return group_advantages(rewards, [s.group for s in samples], scale_by_std=a.scale_by_std, eps=a.adv_eps)
 
     def _policy_batch(self, samples: list[Sample], adv: np.ndarray):
         from rhymerl.training.base import PolicyBatch
