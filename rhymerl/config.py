@@ -45,8 +45,9 @@ class TinyModelConfig:
 
     architecture: Literal["llama", "qwen2"] = "llama"
     seed: int = 0
-    hidden_size: int = 64
-    intermediate_size: int = 128
+    # Head size 32: the smallest vLLM's CPU attention kernels support.
+    hidden_size: int = 128
+    intermediate_size: int = 256
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2

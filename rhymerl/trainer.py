@@ -57,9 +57,9 @@ class StepOutput:
     samples: list[Sample] = field(default_factory=list)
 
 
-def request_seed(run_seed: int, step: int, group_key: int, sample_idx: int) -> int:
-    """A per-request sampling seed: the same request samples the same tokens on resume."""
-    return zlib.crc32(f"{run_seed}:{step}:{group_key}:{sample_idx}".encode()) & 0x7FFFFFFF
+def request_seed(run_seed: int, step: int, instance: int, offset: int) -> int:
+    """A sampling seed that depends only on (run seed, step, instance): resume replays a step."""
+    return zlib.crc32(f"{run_seed}:{step}:{instance}:{offset}".encode()) & 0x3FFFFFFF
 
 
 class Trainer:
@@ -141,7 +141,7 @@ class Trainer:
         self.step = int(blobs["step"])
         self.sampler.load_state_dict(blobs["sampler"])
         self.history = HistoryStore.from_bytes(blobs["history"], self.cfg.histospec)
-        self.engine.history = self.history
+        self.engine.set_history(self.history)
         self.predictor.load_state_dict(blobs["predictor"])
         self.planner.load_state_dict(blobs["planner"])
         if self.ds_buffer is not None and blobs.get("ds_buffer") is not None:
@@ -164,12 +164,14 @@ class Trainer:
 
         mine = plan.instances[self.comm.rank]
         prompts = [self.prompt_ids[batch_indices[g]] for g, _ in mine]
-        seeds = [request_seed(cfg.run.seed, self.step, self.prompt_keys[batch_indices[g]], s) for g, s in mine]
+        # Request j of this instance samples with seed base + j: a resumed step replays exactly.
         spec = SamplingSpec(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                            max_tokens=cfg.rollout.max_tokens, seeds=seeds)
+                            max_tokens=cfg.rollout.max_tokens,
+                            seed=request_seed(cfg.run.seed, self.step, self.comm.rank, 0))
         t1 = time.perf_counter()
-        results = self.engine.generate(prompts, 1, spec, group_ids=[f"{self.step}:{g}" for g, _ in mine], epoch=epoch) \
-            if prompts else []
+        # Siblings of a group share a group id, so HistoSpec can draft from in-flight siblings.
+        results = self.engine.generate(prompts, 1, spec, group_ids=[f"{self.step}:{g}" for g, _ in mine], epoch=epoch,
+                                       record_history=False) if prompts else []
         t_gen = time.perf_counter() - t1
         local = []
         for (g, s), res in zip(mine, results):
