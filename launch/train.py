@@ -124,6 +124,7 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
             tracker.log(out.step, out.metrics)
             tracker.log_lengths(out.step, [len(s.token_ids) for s in out.samples])
             tracker.log_samples(out.step, [{"reward": s.reward, "response": s.text} for s in out.samples[:8]])
+            tracker.flush()
             metrics_file.append(out.step, out.metrics)
             stop = comm.any_true(preempt.requested)
             if stop or ckpt.should_save(trainer.step) or trainer.step == total:

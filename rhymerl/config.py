@@ -223,6 +223,10 @@ class SlurmConfig:
     requeue: bool = True
     log_dir: str = "slurm-logs"
     extra_sbatch: list[str] = field(default_factory=list)
+    # Shell lines run before srun (module loads, venv activation).
+    setup: list[str] = field(default_factory=list)
+    # Interpreter on the compute nodes ("" = the one that rendered the script).
+    python: str = ""
 
 
 @dataclass

@@ -1,0 +1,98 @@
+"""Preemption: turn Slurm's warning signal into a flag the trainer polls at safe points.
+
+Slurm sends SIGUSR1 ``signal_lead_s`` seconds before the time limit (``#SBATCH
+--signal=USR1@N``) and SIGTERM when it preempts or cancels. A signal handler must not
+checkpoint by itself: it can fire in the middle of a collective or an optimizer step,
+and (seen on Slurm 22.05) W&B's helper process is killed together with the job on
+SIGTERM. So the handler only records the request; the trainer checks ``requested`` at
+the end of a step, agrees across ranks (all-reduce of the flag), checkpoints, finishes
+W&B, and rank 0 calls ``requeue_current_job()``. See slurm/README.md.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import FrameType
+from typing import Iterable, Optional
+
+
+class PreemptionHandler:
+    """Installs handlers for ``signals`` that set a flag; ``restore()`` puts the old ones back.
+
+    Use as a context manager or keep it for the life of the process. Handlers can only be
+    installed from the main thread (a Python rule); elsewhere this raises ValueError.
+    """
+
+    def __init__(self, signals: Iterable[int] = (signal.SIGUSR1, signal.SIGTERM), *, verbose: bool = True):
+        self._signals = tuple(signals)
+        self._verbose = verbose
+        self._requested_by: Optional[int] = None
+        self._requested_at: Optional[float] = None
+        self._previous: dict[int, object] = {}
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
+        first = self._requested_by is None
+        if first:
+            self._requested_by = signum
+            self._requested_at = time.monotonic()
+        if self._verbose and first:
+            # os.write: print() is not safe inside a signal handler (re-entrant buffered IO).
+            os.write(sys.stderr.fileno(), f"[rhymerl] received {signal.Signals(signum).name}: "
+                                          "will checkpoint and requeue at the next safe point\n".encode())
+
+    @property
+    def requested(self) -> bool:
+        return self._requested_by is not None
+
+    @property
+    def signal_name(self) -> Optional[str]:
+        return signal.Signals(self._requested_by).name if self._requested_by is not None else None
+
+    @property
+    def seconds_since_request(self) -> Optional[float]:
+        return None if self._requested_at is None else time.monotonic() - self._requested_at
+
+    def clear(self) -> None:
+        self._requested_by = None
+        self._requested_at = None
+
+    def restore(self) -> None:
+        for sig, old in self._previous.items():
+            signal.signal(sig, old)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def __enter__(self) -> "PreemptionHandler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+def requeue_current_job(timeout_s: float = 30.0) -> bool:
+    """``scontrol requeue $SLURM_JOB_ID``; returns True when a requeue was issued.
+
+    Call from rank 0 only, after the checkpoint is complete on every rank: the requeue
+    terminates every task of the job. Returns False outside Slurm or when scontrol fails
+    (the message goes to stderr), so the caller can simply exit 0 and let the user resubmit.
+    """
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return False
+    # In an array job SLURM_JOB_ID is this element's own id, which is what scontrol wants.
+    try:
+        res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"[rhymerl] scontrol requeue {job_id} failed: {e}", file=sys.stderr, flush=True)
+        return False
+    if res.returncode != 0:
+        print(f"[rhymerl] scontrol requeue {job_id} failed (rc={res.returncode}): {res.stderr.strip()}",
+              file=sys.stderr, flush=True)
+        return False
+    print(f"[rhymerl] requeued Slurm job {job_id}", file=sys.stderr, flush=True)
+    return True

@@ -1,0 +1,131 @@
+"""launch.slurm: the rendered sbatch script for one node / many nodes, and config checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launch import slurm as sl
+from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig
+
+pytestmark = pytest.mark.cpu
+REPO = Path(__file__).resolve().parents[2]
+PLACEHOLDER = Path("/path/to/rhymerl")
+
+# The committed examples in slurm/ are these renders; RHYMERL_UPDATE_SLURM_EXAMPLES=1 rewrites them.
+EXAMPLES = {
+    "single-node-cpu.sbatch": (SlurmConfig(tasks_per_node=2, cpus_per_task=1, time="00:30:00", signal_lead_s=60),
+                               ParallelConfig(), ["run.max_steps=20"]),
+    "multi-node-gpu.sbatch": (SlurmConfig(nodes=2, gpus_per_node=8, cpus_per_task=8, partition="gpu",
+                                          time="1-00:00:00", signal_lead_s=300, mem_per_cpu_mb=8000,
+                                          extra_sbatch=["--exclusive"]),
+                              ParallelConfig(tensor_parallel=8, pipeline_parallel=2), []),
+}
+
+
+def _render(slurm: SlurmConfig, parallel: ParallelConfig = ParallelConfig(), overrides=(), **kw) -> str:
+    kw.setdefault("workdir", PLACEHOLDER)
+    kw.setdefault("python", str(PLACEHOLDER / ".venv/bin/python"))
+    return sl.render_script(slurm, parallel, job_name=kw.pop("job_name", "rhymerl"),
+                            config_path=Path(kw.pop("config_path", "configs/tiny-cpu.yaml")),
+                            overrides=list(overrides), **kw)
+
+
+def _directives(text: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in text.splitlines() if line.startswith("#SBATCH ")]
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_committed_examples_match_renderer(name):
+    slurm, parallel, overrides = EXAMPLES[name]
+    text = _render(slurm, parallel, overrides)
+    path = REPO / "slurm" / name
+    if os.environ.get("RHYMERL_UPDATE_SLURM_EXAMPLES") == "1":
+        path.write_text(text)
+    assert path.read_text() == text, f"{path} is stale; rerun with RHYMERL_UPDATE_SLURM_EXAMPLES=1"
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+
+
+def test_single_node_cpu_script():
+    text = _render(SlurmConfig(tasks_per_node=2, signal_lead_s=45, log_dir="logs"),
+                   overrides=["algo.lr=1e-6", "data.system_prompt=be brief; think"])
+    d = _directives(text)
+    assert "--nodes=1" in d and "--ntasks-per-node=2" in d and "--signal=USR1@45" in d
+    assert "--requeue" in d and "--open-mode=append" in d and f"--chdir={PLACEHOLDER}" in d
+    assert f"--output={PLACEHOLDER}/logs/%x-%j.out" in d
+    assert not any(x.startswith("--gpus") for x in d)
+    assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in text
+    assert "NCCL_DEBUG" not in text
+    assert (f'"$PYTHON" -m launch.rank_main {PLACEHOLDER}/configs/tiny-cpu.yaml algo.lr=1e-6 '
+            "'data.system_prompt=be brief; think' &") in text
+    assert 'JOB_LOG_DIR="$LOG_ROOT/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"' in text
+
+
+def test_multi_node_gpu_script_runs_one_task_per_gpu():
+    text = _render(SlurmConfig(nodes=4, gpus_per_node=8, partition="p", account="a", requeue=False),
+                   ParallelConfig(tensor_parallel=4, pipeline_parallel=2))
+    d = _directives(text)
+    assert {"--nodes=4", "--ntasks-per-node=8", "--gpus-per-node=8", "--partition=p", "--account=a",
+            "--no-requeue"} <= set(d)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in text and "NCCL_DEBUG" in text
+    assert "32 ranks (4 node(s) x 8 GPU task(s))" in text
+
+
+@pytest.mark.parametrize("slurm, parallel, match", [
+    (SlurmConfig(gpus_per_node=8, tasks_per_node=4), ParallelConfig(), "one task per GPU"),
+    (SlurmConfig(tasks_per_node=3), ParallelConfig(tensor_parallel=2), "TP\\*PP=2 does not divide the 3 ranks"),
+    (SlurmConfig(nodes=2, tasks_per_node=2), ParallelConfig(world_size=8), "parallel.world_size: 8"),
+    (SlurmConfig(tasks_per_node=4), ParallelConfig(data_parallel=3), "parallel.data_parallel"),
+    (SlurmConfig(time="00:01:00", signal_lead_s=120), ParallelConfig(), "not shorter than slurm.time"),
+    (SlurmConfig(time="1:2:3:4"), ParallelConfig(), "not a Slurm time"),
+    (SlurmConfig(extra_sbatch=["exclusive"]), ParallelConfig(), "must be an sbatch option"),
+])
+def test_bad_layouts_are_refused_with_the_key(slurm, parallel, match):
+    with pytest.raises(ConfigError, match=match):
+        _render(slurm, parallel)
+
+
+def test_extra_sbatch_and_no_signal():
+    d = _directives(_render(SlurmConfig(signal_lead_s=0, extra_sbatch=["#SBATCH --exclusive", "--qos=high"])))
+    assert "--exclusive" in d and "--qos=high" in d and not any(x.startswith("--signal") for x in d)
+
+
+@pytest.mark.parametrize("text, secs", [("30", 1800), ("5:30", 330), ("01:00:00", 3600), ("2-0", 172800),
+                                        ("1-02:03", 93780), ("1-00:00:10", 86410), ("UNLIMITED", None)])
+def test_parse_slurm_time(text, secs):
+    assert sl.parse_slurm_time(text) == secs
+
+
+def test_setup_lines_and_custom_entry():
+    text = _render(SlurmConfig(), setup_lines=["module load cuda/12.4"], entry=["tools/x.py"])
+    assert "module load cuda/12.4" in text
+    assert f'"$PYTHON" tools/x.py {PLACEHOLDER}/configs/tiny-cpu.yaml &' in text
+
+
+def test_cli_render_and_dry_run_submit(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "cli"}, "slurm": {"tasks_per_node": 2,
+                                                                      "log_dir": str(tmp_path / "logs")}}))
+    monkeypatch.chdir(tmp_path)
+    assert sl.main(["render", str(cfg), "algo.lr=2e-6"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --job-name=cli" in out and "algo.lr=2e-6" in out
+    assert sl.main(["submit", str(cfg), "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "#SBATCH --ntasks-per-node=2" in captured.out and "[dry-run]" in captured.err
+    assert not (tmp_path / "logs").exists(), "a dry run must not create anything"
+    assert sl.main(["render", str(cfg), "slurm.nodes=0"]) == 2
+    assert "slurm.nodes" in capsys.readouterr().err
+
+
+def test_cli_is_wired_through_rhymerl(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("run: {name: wired}\n")
+    res = subprocess.run([os.sys.executable, "-m", "rhymerl", "slurm", "render", str(cfg)], capture_output=True,
+                         text=True, cwd=REPO, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "#SBATCH --job-name=wired" in res.stdout
