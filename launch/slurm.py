@@ -249,7 +249,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         text = render_script(cfg.slurm, cfg.parallel, job_name=cfg.run.name, config_path=Path(args.config),
-                             overrides=args.overrides)
+                             overrides=args.overrides, python=cfg.slurm.python or None, setup_lines=cfg.slurm.setup)
     except ConfigError as e:
         print(f"rhymerl: config error: {e}", file=sys.stderr)
         return 2
