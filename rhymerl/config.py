@@ -136,6 +136,12 @@ class HistoPipeConfig:
     # Decay of older epochs' lengths in the predictor.
     decay: float = 0.5
     split_groups: Literal["auto", "never", "always"] = "auto"
+    # Tier-2 order: longest-predicted-first (measured best) or the paper's odd/even alternation.
+    tier2: Literal["lpf", "paper"] = "lpf"
+    # Rebalance queued-not-started requests across instances at scheduling points.
+    rebalance: bool = True
+    # Migrate stragglers to idle instances within the step (re-prefilling their tokens).
+    migrate: bool = True
 
 
 @dataclass
