@@ -101,7 +101,7 @@ def run_scheduler(
         planner = HistoPipePlanner(cfg, N, cost.max_batch, cost=cost, tier2=tier2)
         plan = planner.plan_lengths(step, w.groups, pred)
         per_req = np.repeat(np.array([pred[g.index] for g in w.groups]), np.diff(w.offsets))
-        rt = runtime or Runtime(steal=True, migrate=True, allow_defer=cfg.allow_defer,
+        rt = runtime or Runtime(steal=cfg.rebalance, migrate=cfg.migrate, allow_defer=cfg.allow_defer,
                                 straggler_fraction=cfg.straggler_fraction, straggler_threshold=cfg.straggler_threshold)
         prio = -per_req if plan.info.get("ascending") else per_req
         return simulate(cost, N, L, P, G, queues=plan_queues(w, plan), predicted=per_req, runtime=rt, priority=prio)
