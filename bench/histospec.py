@@ -1,0 +1,433 @@
+"""HistoSpec offline benchmark: target forward passes per generated token, per drafter.
+
+Replays rollout traces: epoch e's responses are the history, epoch e+1's responses
+are the sequences to generate. All requests of an epoch decode in lockstep (one
+verification forward per request per round, as in continuous batching), so a
+request finishing early becomes a sibling draft source (HistoSpec include_siblings,
+SuffixDecoding's global cache) only for requests still running, as in a real engine.
+
+Acceptance is replayed exactly against the recorded tokens: a draft's accepted
+length is its longest prefix (tree: deepest path) that equals the recorded
+continuation. For one-hot (history) drafts this is also exact for *sampled*
+decoding: conditioned on the recorded token y being emitted, the lossless rule
+(accept x w.p. p(x), else sample from p without x) accepts iff x == y, so trace
+log-probabilities do not change the counts (see rhymerl/histospec/acceptance.py).
+
+Methods: none; ngram (vLLM's prompt-lookup rule over prompt + generated);
+suffix (a re-implementation of SuffixDecoding over the same history, since
+arctic-inference is not installed); histospec_chain; histospec_tree.
+Figures: tokens_per_forward (hardware independent), mean_accepted_len (accepted
+draft tokens per forward), acceptance_rate, draft_tokens_per_forward (verification
+work), draft_us_per_token / draft_us_per_call (measured here), index_kb_per_1k_tokens,
+and modelled_speedup = tokens_per_forward / (1 + verify_cost * draft_tokens_per_forward),
+where verify_cost is the assumed cost of one extra verified token relative to a decode
+step (--verify-cost). Drafting cost is compared with a measured forward of the tiny
+model (torch) when torch is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import zlib
+from typing import Optional
+
+from rhymerl.config import HistoSpecConfig
+from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
+from rhymerl.histospec.acceptance import accepted_prefix, accepted_tree_path
+from rhymerl.histospec.baselines import NgramDrafter, SuffixDecodingDrafter
+from rhymerl.histospec.synthetic import synthetic_trace
+from rhymerl.traces import TraceRecord, by_epoch, read_trace
+
+# -- methods: one interface over every drafter ------------------------------------------
+
+
+class Method:
+    name = "none"
+
+    def observe(self, epoch: int, groups: dict[str, list[TraceRecord]]) -> None:
+        """Epoch finished: its responses become history."""
+
+    def begin(self, rid: str, rec: TraceRecord) -> None:
+        pass
+
+    def propose(self, rid: str, generated: list[int], max_len: int) -> tuple[list[int], Optional[list[int]]]:
+        return [], None
+
+    def feedback(self, rid: str, proposed: int, accepted: int) -> None:
+        pass
+
+    def end(self, rid: str, rec: TraceRecord) -> None:
+        pass
+
+    def index_bytes_per_token(self) -> float:
+        return 0.0
+
+    def extra(self) -> dict:
+        return {}
+
+
+def _prompt_tokens(rec: TraceRecord) -> list[int]:
+    if rec.prompt_token_ids is not None:
+        return rec.prompt_token_ids
+    # Traces without prompt tokens: a stand-in derived from the prompt id (stable).
+    return [zlib.crc32(rec.prompt_id.encode()) & 0x7FFFFFFF]
+
+
+class NgramMethod(Method):
+    def __init__(self, min_n: int, max_n: int):
+        self.name = f"ngram[{min_n},{max_n}]"
+        self.min_n, self.max_n = min_n, max_n
+        self._d: dict[str, NgramDrafter] = {}
+        self._seen: dict[str, int] = {}
+
+    def begin(self, rid, rec):
+        d = NgramDrafter(self.min_n, self.max_n, k=1 << 30)
+        d.begin(_prompt_tokens(rec))
+        self._d[rid] = d
+        self._seen[rid] = 0
+
+    def propose(self, rid, generated, max_len):
+        new = generated[self._seen[rid]:]
+        self._seen[rid] = len(generated)
+        return self._d[rid].propose(new, max_len), None
+
+    def end(self, rid, rec):
+        self._d.pop(rid)
+
+
+class SuffixMethod(Method):
+    name = "suffix"
+
+    def __init__(self, max_len: int):
+        self.d = SuffixDecodingDrafter(k=max_len)
+        self._seen: dict[str, int] = {}
+
+    def observe(self, epoch, groups):
+        if self.d.global_index.num_tokens == 0:  # later epochs were added as requests ended
+            for recs in groups.values():
+                for r in recs:
+                    self.d.add_response(r.token_ids)
+
+    def begin(self, rid, rec):
+        self.d.begin(rid, _prompt_tokens(rec))
+        self._seen[rid] = 0
+
+    def propose(self, rid, generated, max_len):
+        new = generated[self._seen[rid]:]
+        self._seen[rid] = len(generated)
+        return self.d.propose(rid, new, max_len), None
+
+    def end(self, rid, rec):
+        self.d.end(rid, rec.token_ids)
+
+    def index_bytes_per_token(self):
+        g = self.d.global_index
+        return g.memory_bytes() / max(1, g.num_tokens)
+
+
+class HistoSpecMethod(Method):
+    def __init__(self, cfg: HistoSpecConfig, name: str):
+        self.name = name
+        self.cfg = cfg
+        self.store = HistoryStore(cfg)
+        self.prop = DraftProposer(self.store, cfg)
+        self._epoch = -1
+
+    build_s = 0.0
+    built_tokens = 0
+
+    def observe(self, epoch, groups):
+        self._epoch = epoch + 1
+        t0 = time.thread_time()
+        self.built_tokens += sum(len(r.token_ids) for recs in groups.values() for r in recs)
+        for pid, recs in groups.items():
+            rewards = [r.reward for r in recs]
+            self.store.add_group(prompt_key(_prompt_tokens(recs[0])), epoch, [r.token_ids for r in recs],
+                                 None if any(x is None for x in rewards) else rewards)
+        self.build_s += time.thread_time() - t0
+
+    def begin(self, rid, rec):
+        self.prop.begin(rid, prompt_key(_prompt_tokens(rec)), group=f"{self._epoch}:{rec.prompt_id}")
+
+    def propose(self, rid, generated, max_len):
+        d = self.prop.propose(rid, generated, max_len)
+        return d.tokens, (d.parents if self.cfg.tree else None)
+
+    def feedback(self, rid, proposed, accepted):
+        self.prop.feedback(rid, proposed, accepted)
+
+    def end(self, rid, rec):
+        self.prop.end(rid, rec.token_ids)
+
+    def index_bytes_per_token(self):
+        return self.store.index_memory_bytes() / max(1, self.store.num_tokens)
+
+    def extra(self) -> dict:
+        return {"index_build_us_per_token": 1e6 * self.build_s / max(1, self.built_tokens)}
+
+
+# -- replay -------------------------------------------------------------------------------
+
+
+def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], max_len: int,
+             cold: bool = False) -> dict:
+    """Replay epochs >= 1 of a trace in engine order: each round drafts for every
+    running request, verifies, feeds back, then retires finished requests.
+
+    Drafting is timed per round with the thread's CPU clock (one clock pair per round,
+    not per call), so the figure is the engine's per-step drafting cost and is not
+    inflated by other processes sharing the CPU.
+    """
+    order = sorted(epochs)
+    tokens = forwards = accepted = proposed = drafted = 0
+    t_draft = 0.0
+    clock = time.thread_time
+    if cold:
+        order = order[:1]
+    else:
+        method.observe(order[0], epochs[order[0]])
+    for ep in (order if cold else order[1:]):
+        reqs = [(f"{ep}:{pid}:{r.sample_idx}", r) for pid, recs in sorted(epochs[ep].items()) for r in recs]
+        for rid, rec in reqs:
+            method.begin(rid, rec)
+        pos = {rid: 0 for rid, _ in reqs}
+        active = list(reqs)
+        while active:
+            gens = [rec.token_ids[:pos[rid]] for rid, rec in active]
+            t0 = clock()
+            drafts = [method.propose(rid, g, max_len) for (rid, _), g in zip(active, gens)]
+            t_draft += clock() - t0
+            acc = []
+            for (rid, rec), (draft, parents) in zip(active, drafts):
+                rest = rec.token_ids[pos[rid]:]
+                a = accepted_prefix(draft, rest) if parents is None else accepted_tree_path(draft, parents, rest)
+                acc.append(a)
+                forwards += 1
+                proposed += len(draft)
+                drafted += bool(draft)
+                accepted += a
+                pos[rid] += min(a + 1, len(rest))
+            t0 = clock()
+            for (rid, _), (draft, _), a in zip(active, drafts, acc):
+                method.feedback(rid, len(draft), a)
+            t_draft += clock() - t0
+            still = []
+            for rid, rec in active:
+                if pos[rid] >= len(rec.token_ids):
+                    tokens += len(rec.token_ids)
+                    method.end(rid, rec)
+                else:
+                    still.append((rid, rec))
+            active = still
+        method.observe(ep, epochs[ep])
+    return {
+        "tokens_per_forward": tokens / max(1, forwards),
+        "mean_accepted_len": accepted / max(1, forwards),
+        "acceptance_rate": accepted / max(1, proposed),
+        "draft_tokens_per_forward": proposed / max(1, forwards),
+        "drafted_fraction": drafted / max(1, forwards),
+        "draft_us_per_token": 1e6 * t_draft / max(1, tokens),
+        "draft_us_per_call": 1e6 * t_draft / max(1, forwards),
+        "index_kb_per_1k_tokens": method.index_bytes_per_token(),
+        "generated_tokens": tokens,
+        "forwards": forwards,
+        **method.extra(),
+    }
+
+
+def _finish(m: dict, verify_cost: float) -> dict:
+    m["modelled_speedup"] = m["tokens_per_forward"] / (1.0 + verify_cost * m["draft_tokens_per_forward"])
+    return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in m.items()}
+
+
+def time_tiny_forward(batch: int, draft_tokens: int, context: int = 128) -> Optional[dict]:
+    """Median time of one batched step of the tiny model (torch, KV cache, eager HF):
+    a plain decode step (1 token per request) and a verification step (1 + draft_tokens)."""
+    try:
+        import torch
+        import transformers
+    except Exception:
+        return None
+    from rhymerl.config import TinyModelConfig
+
+    t = TinyModelConfig()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                                   num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
+                                   num_key_value_heads=t.num_key_value_heads, max_position_embeddings=t.max_position_embeddings)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 384, (batch, context))
+
+    def median_step(width: int) -> float:
+        times = []
+        with torch.inference_mode():
+            for _ in range(8):
+                past = transformers.DynamicCache()
+                model(ids, past_key_values=past, use_cache=True)
+                step = torch.randint(0, 384, (batch, width))
+                # CPU time of the process (all torch threads), like the drafting figures,
+                # so other processes sharing the CPU do not skew the ratio.
+                t0 = time.process_time()
+                model(step, past_key_values=past, use_cache=True)
+                times.append(time.process_time() - t0)
+        times = sorted(times[1:])  # the first call warms up kernels and allocator
+        return 1e6 * times[len(times) // 2]
+
+    return {"batch": batch, "context": context, "decode_forward_us": median_step(1),
+            "verify_forward_us": median_step(1 + draft_tokens), "torch_threads": torch.get_num_threads()}
+
+
+def _table(title: str, rows: dict[str, dict], cols: list[str]) -> str:
+    w = max(len(k) for k in rows) + 2
+    lines = [title, "".ljust(w) + "".join(c[:18].rjust(19) for c in cols)]
+    for k, m in rows.items():
+        lines.append(k.ljust(w) + "".join(f"{m[c]:19.3f}" if isinstance(m[c], float) else f"{m[c]:>19}" for c in cols))
+    return "\n".join(lines)
+
+
+RECOMMENDED = {"min_match": 1, "start_after": 0}
+
+COLS = ["tokens_per_forward", "mean_accepted_len", "acceptance_rate", "draft_tokens_per_forward",
+        "draft_us_per_token", "draft_us_per_call", "index_kb_per_1k_tokens", "modelled_speedup"]
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rhymerl bench histospec", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ap.add_argument("--trace", help="JSONL rollout trace (rhymerl/traces.py format) instead of the synthetic one")
+    ap.add_argument("--similarity", type=float, default=0.85, help="synthetic: fraction of tokens copied from last epoch")
+    ap.add_argument("--prompts", type=int, default=10)
+    ap.add_argument("--n", type=int, default=8, help="synthetic: responses per prompt")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--mean-len", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-len", type=int, default=16, help="draft tokens per step the engine allows (num_speculative_tokens)")
+    ap.add_argument("--verify-cost", type=float, default=0.05,
+                    help="cost of one extra verified token relative to a decode step (modelled_speedup)")
+    ap.add_argument("--tree-nodes", type=int, default=32, help="node budget of histospec_tree")
+    ap.add_argument("--ablations", choices=["none", "quick", "full"], default="quick")
+    ap.add_argument("--no-forward-timing", action="store_true", help="skip timing the tiny model's forward (no torch import)")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    if args.trace:
+        records = read_trace(args.trace)
+        source = {"trace": args.trace}
+    else:
+        records = synthetic_trace(num_prompts=args.prompts, n=args.n, epochs=args.epochs, similarity=args.similarity,
+                                  mean_len=args.mean_len, seed=args.seed)
+        source = {"synthetic": {"prompts": args.prompts, "n": args.n, "epochs": args.epochs,
+                                "similarity": args.similarity, "mean_len": args.mean_len, "seed": args.seed}}
+    epochs = by_epoch(records)
+    if len(epochs) < 2:
+        print(f"rhymerl bench histospec: the trace needs at least 2 epochs (got {sorted(epochs)})", file=sys.stderr)
+        return 2
+
+    base = HistoSpecConfig()
+    # The main rows use the settings this benchmark selects (see the min_match and
+    # start_after ablations); the config's defaults are reported as an ablation row.
+    chain_cfg = dataclasses.replace(base, max_draft=args.max_len, **RECOMMENDED)
+    tree_cfg = dataclasses.replace(chain_cfg, tree=True, tree_nodes=args.tree_nodes)
+
+    def run(method: Method, max_len: int = args.max_len) -> dict:
+        return _finish(simulate(method, epochs, max_len), args.verify_cost)
+
+    done: dict[tuple, dict] = {}
+
+    def run_hs(cfg: HistoSpecConfig, max_len: int) -> dict:
+        # Ablation rows equal to an already measured configuration reuse its figures.
+        key = (dataclasses.astuple(cfg), max_len)
+        if key not in done:
+            done[key] = run(HistoSpecMethod(cfg, "histospec"), max_len)
+        return dict(done[key])
+
+    methods = {
+        "none": run(Method()),
+        "ngram": run(NgramMethod(2, 5)),
+        "suffix": run(SuffixMethod(args.max_len)),
+        "histospec_chain": run_hs(chain_cfg, args.max_len),
+        "histospec_tree": run(HistoSpecMethod(tree_cfg, "histospec_tree"), max_len=tree_cfg.tree_nodes),
+    }
+    methods["ngram"]["params"] = "prompt_lookup_min=2, prompt_lookup_max=5 (vLLM default 5/5 in ablations)"
+    methods["suffix"]["params"] = "re-implementation (arctic-inference not installed): max_depth 24, spec_factor 1, min_token_prob 0.1"
+    methods["histospec_tree"]["params"] = f"tree_nodes={tree_cfg.tree_nodes}, tree_topk={tree_cfg.tree_topk}"
+
+    ablations: dict[str, dict[str, dict]] = {}
+    if args.ablations != "none":
+        def hs(label: str, max_len: int = args.max_len, **kw) -> dict:
+            return run_hs(dataclasses.replace(chain_cfg, **kw), max_len)
+
+        rules = {}
+        for L in ([2, 4, 8, 16, 32] if args.ablations == "full" else [4, 16, 32]):
+            rules[f"fixed_{L}"] = hs(f"fixed_{L}", max(L, args.max_len), draft_rule="fixed", fixed_len=L, max_draft=L)
+        rules["aimd_paper_cap32"] = hs("aimd", 32, draft_rule="aimd", max_draft=32)
+        rules["mimd_release_cap16"] = hs("mimd", 16, draft_rule="mimd", max_draft=16)
+        rules["adaptive_cap16"] = hs("adaptive16", 16, draft_rule="adaptive", max_draft=16)
+        rules["adaptive_cap32"] = hs("adaptive32", 32, draft_rule="adaptive", max_draft=32)
+        ablations["draft_rule"] = rules
+        ablations["min_match"] = {f"min_match_{m}": hs(f"mm{m}", min_match=m) for m in (1, 2, 3, 4)}
+        ablations["config_defaults"] = {
+            "HistoSpecConfig() (min_match 4, start_after 4)": run_hs(dataclasses.replace(base, max_draft=args.max_len), args.max_len)}
+        ablations["start_after"] = {f"start_after_{s}": hs(f"sa{s}", start_after=s)
+                                    for s in ((0, 4, 8) if args.ablations == "full" else (0, 4))}
+        ablations["branch"] = {b: hs(b, branch=b) for b in ("frequency", "reward")}
+        ablations["siblings"] = {f"include_siblings_{s}": hs(f"sib{s}", include_siblings=s) for s in (True, False)}
+        cold = {}
+        for sib in (True, False):
+            cfg = dataclasses.replace(chain_cfg, include_siblings=sib)
+            cold[f"histospec_chain, include_siblings={sib}"] = _finish(
+                simulate(HistoSpecMethod(cfg, "cold"), epochs, args.max_len, cold=True), args.verify_cost)
+        cold["suffix"] = _finish(simulate(SuffixMethod(args.max_len), epochs, args.max_len, cold=True), args.verify_cost)
+        ablations["cold_start_first_epoch"] = cold
+        ablations["ngram_params"] = {"ngram[5,5] (vLLM default)": run(NgramMethod(5, 5))}
+        if args.ablations == "full":
+            ablations["match_window"] = {f"match_window_{w}": hs(f"mw{w}", match_window=w) for w in (3, 5, 7, 12)}
+            ablations["min_prob"] = {f"min_prob_{p}": hs(f"mp{p}", min_prob=p) for p in (0.0, 0.1, 0.3)}
+            ablations["tree_nodes"] = {f"tree_nodes_{k}": run(HistoSpecMethod(dataclasses.replace(tree_cfg, tree_nodes=k), "t"), k)
+                                       for k in (16, 32, 64)}
+            ablations["epochs_kept"] = {f"epochs_kept_{k}": hs(f"ek{k}", epochs_kept=k) for k in (1, 2)}
+
+    # Drafting cost vs a target forward: one decode step drafts for every running request.
+    batch = 32
+    chain = methods["histospec_chain"]
+    k = max(1, round(chain["draft_tokens_per_forward"]))
+    fwd = None if args.no_forward_timing else time_tiny_forward(batch, k)
+    per_call = chain["draft_us_per_call"]
+    cost = {"batch": batch, "draft_us_per_step": round(per_call * batch, 2),
+            "draft_us_per_call": per_call, "draft_us_per_token": chain["draft_us_per_token"]}
+    if fwd is not None:
+        cost.update(tiny_decode_forward_us=round(fwd["decode_forward_us"], 1),
+                    tiny_verify_forward_us=round(fwd["verify_forward_us"], 1), verify_width=1 + k,
+                    torch_threads=fwd["torch_threads"],
+                    draft_fraction_of_decode_forward=round(per_call * batch / fwd["decode_forward_us"], 4),
+                    draft_fraction_of_verify_forward=round(per_call * batch / fwd["verify_forward_us"], 4))
+    else:
+        why = "skipped (--no-forward-timing)" if args.no_forward_timing else "torch not importable"
+        cost["note"] = f"tiny-model forward timing {why}: compare draft_us_per_step with the forward time in `bench rollout`"
+
+    order_ok = (methods["histospec_tree"]["tokens_per_forward"] >= methods["histospec_chain"]["tokens_per_forward"]
+                >= methods["suffix"]["tokens_per_forward"] >= methods["ngram"]["tokens_per_forward"] >= 1.0)
+    result = {"methods": methods, "ablations": ablations, "cost": cost, "source": source,
+              "ordering_tree>=chain>=suffix>=ngram>=1": order_ok,
+              "histospec_settings": {k: getattr(chain_cfg, k) for k in ("draft_rule", "max_draft", "match_window", "min_match",
+                                                              "min_prob", "start_after", "branch", "include_siblings",
+                                                              "epochs_kept")},
+              "wall_s": round(time.perf_counter() - t_start, 2)}
+
+    print(_table("HistoSpec offline replay (greedy-exact; identical for sampled one-hot drafts)", methods, COLS), file=sys.stderr)
+    for name, rows in ablations.items():
+        print("", file=sys.stderr)
+        print(_table(f"ablation: {name}", rows, COLS), file=sys.stderr)
+    print(f"\ndrafting cost: {json.dumps(cost)}\nordering tree>=chain>=suffix>=ngram>=1: {order_ok}"
+          f"\nwall {result['wall_s']} s", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

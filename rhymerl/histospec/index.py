@@ -1,0 +1,393 @@
+"""Suffix automaton over a prompt's past responses, with continuation counts.
+
+A generalised suffix automaton (SAM) over a set of token sequences: every distinct
+substring of any response corresponds to exactly one state, states are added online
+(``add`` extends the automaton with one more response in amortised O(len)), and all
+strings of one state share the same set of end positions. That last fact makes the
+empirical continuation probability exact and cheap:
+
+    P(next = c | matched string s) = cnt[trans(s, c)] / cnt[s]
+
+where ``cnt[v]`` is the number of occurrences (end positions) of v's strings over all
+indexed responses. Occurrences at the very end of a response have no continuation, so
+the probabilities of all children sum to <= 1 (the rest is "the response stopped
+here"), which is exactly what the released suffix tree's ``-1`` separators encode.
+
+``wcnt[v]`` is the same count where each occurrence weighs its response's reward
+weight (used by reward-aware branch choice). With ``online=True`` both are kept exact
+after every token (see ``_extend``), so an index can grow while requests draft from
+it (sibling responses, SuffixDecoding's per-request tree); bulk builds
+(``online=False``) sum them once in ``freeze``.
+
+Layout: parallel Python lists indexed by state id (``nxt`` holds one small dict per
+state). Plain lists beat NumPy here because every operation touches one element.
+``freeze`` returns ``FrozenSuffixAutomaton``, a read-only copy in flat arrays
+(about 4x smaller), which is what the history store keeps.
+
+Why an automaton and not the release's suffix tree: same counts, O(n) states, online
+construction, and the matched state can be carried from one decode step to the next
+(feeding only the newly emitted tokens), so a step costs O(new tokens), not a rematch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+# Virtual token in front of every indexed response (and of every request's match
+# context), so the first tokens of a response can be drafted and matches near the
+# start are anchored to it. Real token ids are >= 0.
+START = -1
+NO_CHILD = -2
+
+
+class SuffixAutomaton:
+    __slots__ = ("nxt", "ln", "link", "cnt", "wcnt", "num_tokens", "num_seqs", "version", "_last", "_best", "_wbest", "_arrays",
+                 "online")
+
+    def __init__(self, online: bool = True) -> None:
+        # online=False (bulk builds that are frozen afterwards): each token only marks its
+        # own state and ``freeze`` sums the counts up the suffix-link tree in one O(states)
+        # pass, instead of walking the suffix-link path per token.
+        self.online = online
+        self.nxt: list[dict[int, int]] = [{}]
+        self.ln: list[int] = [0]
+        self.link: list[int] = [-1]
+        self.cnt: list[int] = [0]
+        self.wcnt: list[float] = [0.0]
+        self.num_tokens = 0
+        self.num_seqs = 0
+        # Bumped on every change so cached match states of requests can be invalidated.
+        self.version = 0
+        self._last = 0
+        self._best: dict[int, tuple | None] = {}
+        self._wbest: dict[int, tuple | None] = {}
+        self._arrays: dict[bool, tuple[list[int], list[int], list[float]]] = {}
+
+    @property
+    def num_states(self) -> int:
+        return len(self.ln)
+
+    def _clone(self, p: int, q: int, c: int) -> int:
+        nxt, link = self.nxt, self.link
+        clone = len(self.ln)
+        nxt.append(dict(nxt[q]))
+        self.ln.append(self.ln[p] + 1)
+        link.append(link[q])
+        # Online: the clone's end positions are q's (the new one is added by the
+        # caller's walk). Bulk: a clone owns no end position itself.
+        self.cnt.append(self.cnt[q] if self.online else 0)
+        self.wcnt.append(self.wcnt[q] if self.online else 0.0)
+        while p != -1 and nxt[p].get(c) == q:
+            nxt[p][c] = clone
+            p = link[p]
+        link[q] = clone
+        return clone
+
+    def _extend(self, last: int, c: int, weight: float) -> int:
+        nxt, ln, link = self.nxt, self.ln, self.link
+        q = nxt[last].get(c)
+        if q is not None:
+            # Generalised SAM: this extension already exists as a substring of an
+            # earlier sequence; reuse (or split) its state instead of adding one.
+            cur = q if ln[last] + 1 == ln[q] else self._clone(last, q, c)
+        else:
+            cur = len(ln)
+            nxt.append({})
+            ln.append(ln[last] + 1)
+            link.append(0)
+            self.cnt.append(0)
+            self.wcnt.append(0.0)
+            p = last
+            while p != -1 and c not in nxt[p]:
+                nxt[p][c] = cur
+                p = link[p]
+            if p != -1:
+                q = nxt[p][c]
+                link[cur] = q if ln[p] + 1 == ln[q] else self._clone(p, q, c)
+        # The new end position belongs to cur and every state on its suffix-link path
+        # (all suffixes of the current prefix); keeping counts exact online costs one
+        # walk up that path, which is short unless the text repeats itself a lot.
+        cnt, wcnt = self.cnt, self.wcnt
+        if not self.online:
+            cnt[cur] += 1
+            wcnt[cur] += weight
+            return cur
+        v = cur
+        while v > 0:
+            cnt[v] += 1
+            wcnt[v] += weight
+            v = link[v]
+        cnt[0] += 1
+        wcnt[0] += weight
+        return cur
+
+    def add(self, tokens: Sequence[int], weight: float = 1.0) -> None:
+        """Index one more sequence (a response); ``weight`` is its reward weight."""
+        last = 0
+        for c in tokens:
+            last = self._extend(last, int(c), weight)
+        self.num_tokens += len(tokens)
+        self.num_seqs += 1
+        self._changed()
+
+    def start_sequence(self) -> None:
+        """Begin a sequence that grows one token at a time with ``push``."""
+        self._last = 0
+        self.num_seqs += 1
+
+    def push(self, c: int, weight: float = 1.0) -> None:
+        self._last = self._extend(self._last, int(c), weight)
+        self.num_tokens += 1
+        self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
+        if self._best:
+            self._best.clear()
+        if self._wbest:
+            self._wbest.clear()
+        if self._arrays:
+            self._arrays.clear()
+
+
+    def counts(self) -> tuple[list[int], list[float]]:
+        return self.cnt, self.wcnt
+
+    def freeze(self) -> "FrozenSuffixAutomaton":
+        """A compact read-only copy (what the history store keeps)."""
+        if not self.online:
+            self._total_counts()
+        return FrozenSuffixAutomaton(self)
+
+    def _total_counts(self) -> None:
+        # Children in the suffix-link tree are strictly longer: sum in decreasing length.
+        cnt, wcnt, link = self.cnt, self.wcnt, self.link
+        buckets: list[list[int]] = [[] for _ in range(max(self.ln) + 1)]
+        for v, length in enumerate(self.ln):
+            buckets[length].append(v)
+        for length in range(len(buckets) - 1, 0, -1):
+            for v in buckets[length]:
+                u = link[v]
+                cnt[u] += cnt[v]
+                wcnt[u] += wcnt[v]
+        self.online = True
+
+    # -- matching -------------------------------------------------------------------
+    def trans(self, state: int, c: int) -> int:
+        return self.nxt[state].get(c, -1)
+
+    def step(self, state: int, length: int, c: int) -> tuple[int, int]:
+        """Extend the match (state, length) by token c; returns the longest suffix match."""
+        nxt, link = self.nxt, self.link
+        while True:
+            q = nxt[state].get(c)
+            if q is not None:
+                return q, length + 1
+            if state == 0:
+                return 0, 0
+            state = link[state]
+            length = self.ln[state]
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """Longest suffix of ``tokens`` that occurs in the index: (state, length)."""
+        state, length = 0, 0
+        for c in tokens:
+            state, length = self.step(state, length, c)
+        return state, length
+
+    def children(self, state: int) -> list[tuple[int, int, float, float]]:
+        """[(token, child, prob, reward_weighted_prob)] of one state, most frequent first."""
+        cnt, wcnt = self.cnt, self.wcnt
+        tot = cnt[state]
+        wtot = wcnt[state] or 1.0
+        out = [(c, v, cnt[v] / tot, wcnt[v] / wtot) for c, v in self.nxt[state].items()]
+        out.sort(key=lambda t: (-t[2], t[0]))
+        return out
+
+    def best_child(self, state: int, reward: bool = False) -> tuple | None:
+        """(token, child, prob) of the preferred continuation, cached until the next add."""
+        cache = self._wbest if reward else self._best
+        hit = cache.get(state)
+        if hit is not None or state in cache:
+            return hit
+        trans = self.nxt[state]
+        if not trans:
+            cache[state] = None
+            return None
+        score = self.wcnt if reward else self.cnt
+        # Ties go to the smaller token id so drafts are deterministic.
+        c, v = max(trans.items(), key=lambda kv: (score[kv[1]], -kv[0]))
+        res = (c, v, self.cnt[v] / self.cnt[state])
+        cache[state] = res
+        return res
+
+    def best_arrays(self, reward: bool = False) -> tuple[list[int], list[int], list[float]]:
+        """Preferred continuation of every state as flat lists (token, child, prob).
+
+        token is NO_CHILD where a state has no continuation. Built once per index
+        version in O(transitions); list indexing is the cheapest lookup CPython has,
+        which is what keeps a draft step at well under a microsecond per token.
+        """
+        arr = self._arrays.get(reward)
+        if arr is not None:
+            return arr
+        n = len(self.ln)
+        bt = [NO_CHILD] * n
+        bd = [0] * n
+        bq = [0.0] * n
+        cnt = self.cnt
+        score = self.wcnt if reward else cnt
+        for v, trans in enumerate(self.nxt):
+            if not trans:
+                continue
+            if len(trans) == 1:
+                (c, u), = trans.items()
+            else:
+                c, u = max(trans.items(), key=lambda kv: (score[kv[1]], -kv[0]))
+            bt[v] = c
+            bd[v] = u
+            bq[v] = cnt[u] / cnt[v]
+        arr = (bt, bd, bq)
+        self._arrays[reward] = arr
+        return arr
+
+    def memory_bytes(self) -> int:
+        """Approximate resident size (CPython object sizes), for per-token reporting."""
+        import sys
+
+        total = sum(sys.getsizeof(d) for d in self.nxt)
+        total += sum(sys.getsizeof(x) for x in (self.nxt, self.ln, self.link, self.cnt, self.wcnt))
+        # Ints above 256 and floats are separate objects: 28/24 bytes each.
+        n_trans = sum(len(d) for d in self.nxt)
+        total += n_trans * 28 * 2 + len(self.ln) * (28 * 3 + 24)
+        return total
+
+
+MULTI = -3
+
+
+class FrozenSuffixAutomaton:
+    """Read-only compact copy of a SuffixAutomaton, for history indexes.
+
+    Flat ``array`` columns replace the per-state Python objects: most states have a
+    single transition, stored inline (``one_tok``/``one_dst``); only branching states
+    keep a dict (``multi``). About an order of magnitude less memory than the growing
+    form, and the same lookups the proposer needs (``trans``, ``best_arrays``,
+    ``children``). Frozen indexes never change, so their version is fixed.
+    """
+
+    _next_version = 1 << 40
+
+    def __init__(self, sam: SuffixAutomaton):
+        from array import array
+
+        n = len(sam.ln)
+        self.ln = array("i", sam.ln)
+        self.link = array("i", sam.link)
+        self.cnt = array("q", sam.cnt)
+        self.wcnt = array("d", sam.wcnt)
+        one_tok = array("i", [NO_CHILD]) * n
+        one_dst = array("i", [0]) * n
+        multi: dict[int, dict[int, int]] = {}
+        for v, trans in enumerate(sam.nxt):
+            k = len(trans)
+            if k == 1:
+                (c, u), = trans.items()
+                one_tok[v] = c
+                one_dst[v] = u
+            elif k > 1:
+                one_tok[v] = MULTI
+                multi[v] = trans
+        self.one_tok, self.one_dst, self.multi = one_tok, one_dst, multi
+        self.num_tokens = sam.num_tokens
+        self.num_seqs = sam.num_seqs
+        FrozenSuffixAutomaton._next_version += 1
+        self.version = FrozenSuffixAutomaton._next_version
+        self._arrays: dict[bool, tuple] = {}
+        self._best: dict = {}
+        self._wbest: dict = {}
+
+    @property
+    def num_states(self) -> int:
+        return len(self.ln)
+
+    def trans(self, state: int, c: int) -> int:
+        t = self.one_tok[state]
+        if t == c:
+            return self.one_dst[state]
+        if t == MULTI:
+            return self.multi[state].get(c, -1)
+        return -1
+
+    def _items(self, state: int):
+        t = self.one_tok[state]
+        if t == MULTI:
+            return self.multi[state].items()
+        if t == NO_CHILD:
+            return ()
+        return ((t, self.one_dst[state]),)
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
+        state, length = 0, 0
+        for c in tokens:
+            while True:
+                q = self.trans(state, c)
+                if q >= 0:
+                    state, length = q, length + 1
+                    break
+                if state == 0:
+                    length = 0
+                    break
+                state = self.link[state]
+                length = self.ln[state]
+        return state, length
+
+    def children(self, state: int) -> list[tuple[int, int, float, float]]:
+        cnt, wcnt = self.cnt, self.wcnt
+        tot = cnt[state]
+        wtot = wcnt[state] or 1.0
+        out = [(c, v, cnt[v] / tot, wcnt[v] / wtot) for c, v in self._items(state)]
+        out.sort(key=lambda t: (-t[2], t[0]))
+        return out
+
+    def best_child(self, state: int, reward: bool = False) -> tuple | None:
+        bt, bd, bq = self.best_arrays(reward)
+        return None if bt[state] == NO_CHILD else (bt[state], bd[state], bq[state])
+
+    def best_arrays(self, reward: bool = False):
+        arr = self._arrays.get(reward)
+        if arr is not None:
+            return arr
+        from array import array
+
+        n = len(self.ln)
+        bt = array("i", [NO_CHILD]) * n
+        bd = array("i", [0]) * n
+        bq = array("d", [0.0]) * n
+        cnt = self.cnt
+        score = self.wcnt if reward else cnt
+        one_tok, one_dst = self.one_tok, self.one_dst
+        for v in range(n):
+            t = one_tok[v]
+            if t == NO_CHILD:
+                continue
+            if t == MULTI:
+                c, u = max(self.multi[v].items(), key=lambda kv: (score[kv[1]], -kv[0]))
+            else:
+                c, u = t, one_dst[v]
+            bt[v] = c
+            bd[v] = u
+            bq[v] = cnt[u] / cnt[v]
+        arr = (bt, bd, bq)
+        self._arrays[reward] = arr
+        return arr
+
+    def memory_bytes(self) -> int:
+        import sys
+
+        cols = [self.ln, self.link, self.cnt, self.wcnt, self.one_tok, self.one_dst]
+        for arr in self._arrays.values():
+            cols.extend(arr)
+        total = sum(a.itemsize * len(a) for a in cols)
+        total += sys.getsizeof(self.multi) + sum(sys.getsizeof(d) + len(d) * 2 * 28 for d in self.multi.values())
+        return total

@@ -1,0 +1,383 @@
+"""Draft proposer: history drafts for running requests, one call per decode step.
+
+Per request we keep the suffix-automaton match of its generated tokens against the
+prompt's history index (and, if ``include_siblings``, against the finished responses
+of its GRPO group in this step), advanced incrementally with the tokens emitted since
+the last call, so a call costs O(tokens emitted + draft length) dictionary steps.
+
+Matching follows the released HistoSpec: the longest suffix of the last
+``match_window`` generated tokens that occurs in the history, at least ``min_match``
+long; if that match yields no draft, back off to shorter matches (down to
+``min_match``). A chain follows the preferred child at each step (most frequent, or
+reward-weighted) and stops when the running path probability drops below
+``min_prob``, at the end of a response, or at the length chosen by the draft-length
+rule. A tree keeps that chain as its spine and spends the rest of the node budget on
+the most probable side branches (best-first on path probability, ``tree_topk``
+children per node).
+
+Draft-length rules (``draft_rule``), all capped by ``max_draft`` and the engine's
+``max_len``:
+  fixed     always ``fixed_len``
+  aimd      the paper: start 2, +2 after a fully accepted draft, back to 2 on a rejection
+  mimd      the release: start 2, x2 after a fully accepted draft, //2 (floor 2) on a rejection
+  adaptive  ours: the mimd window, but a draft may run past the window while the
+            history is near-unanimous (path probability >= ADAPTIVE_CONF); such
+            continuations are accepted almost always, so capping them wastes steps.
+
+Measured with ``python -m rhymerl bench histospec`` (synthetic traces, similarity
+0.5-0.95): ``adaptive`` has the best modelled speedup of all rules (fixed 4..32,
+aimd, mimd), and ``min_match=1, start_after=0`` beat the released 4/4 at every
+similarity (the ``min_prob`` cut already rejects ambiguous short matches). The
+benchmark's main rows use those settings (``bench/histospec.py: RECOMMENDED``).
+
+Not thread-safe: the engine calls it from one thread. ``generated`` must extend the
+previous call's tokens for the same request (a changed last token or a jump of more
+than ``match_window`` tokens re-matches from scratch, which is always correct).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from rhymerl.config import HistoSpecConfig
+from rhymerl.histospec.index import NO_CHILD, START, SuffixAutomaton
+from rhymerl.histospec.store import HistoryStore
+
+START_LEN = 2
+# Path probability above which the adaptive rule keeps drafting past its window.
+ADAPTIVE_CONF = 0.6
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    # Empirical probability of each token given its parent path (history counts).
+    probs: list[float] = field(default_factory=list)
+    # Index of each token's parent in ``tokens``; -1 = the last generated token.
+    # A chain has parents [-1, 0, 1, ...].
+    parents: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+
+_EMPTY = Draft()
+
+
+class _Match:
+    """Incremental match of one request's generated tokens in one index."""
+
+    __slots__ = ("sam", "state", "length", "version", "pos", "last")
+
+    def __init__(self, sam: SuffixAutomaton):
+        self.sam = sam
+        self.state = 0
+        self.length = 0
+        self.version = -1
+        self.pos = 0
+        self.last = START
+
+    def advance(self, generated: Sequence[int], window: int, reward: bool = False) -> None:
+        # Positions count the virtual START marker in front of the response.
+        sam = self.sam
+        n = len(generated) + 1
+        # Rematch if the index changed, the tokens are not an extension of what we saw
+        # (checked on the last seen token: cheap, and catches a reused request id), or
+        # more than a window of new tokens arrived.
+        if (self.version != sam.version or self.pos > n or n - self.pos > window
+                or (self.pos > 1 and generated[self.pos - 2] != self.last)):
+            st, ln, start = 0, 0, max(0, n - window)
+        else:
+            st, ln, start = self.state, self.length, self.pos
+        trans, link, lens = sam.trans, sam.link, sam.ln
+        arrays = sam._arrays.get(reward)
+        bt, bd = (arrays[0], arrays[1]) if arrays is not None else (None, None)
+        for i in range(start, n):
+            c = generated[i - 1] if i else START
+            if bt is not None and bt[st] == c:
+                # Fast path: accepted draft tokens are exactly the preferred children.
+                st = bd[st]
+                ln += 1
+            else:
+                while True:
+                    q = trans(st, c)
+                    if q >= 0:
+                        st = q
+                        ln += 1
+                        break
+                    if st == 0:
+                        ln = 0
+                        break
+                    st = link[st]
+                    ln = lens[st]
+            if ln > window:
+                ln = window
+                while lens[link[st]] >= window:
+                    st = link[st]
+        self.state, self.length, self.version, self.pos = st, ln, sam.version, n
+        self.last = generated[-1] if n > 1 else START
+
+
+class _Req:
+    __slots__ = ("key", "group", "hist", "sib", "window", "last_depth")
+
+    def __init__(self, key: int, group: Optional[str]):
+        self.key = key
+        self.group = group
+        self.hist: Optional[_Match] = None
+        self.sib: Optional[_Match] = None
+        self.window = START_LEN
+        self.last_depth = 0
+
+
+class _Group:
+    __slots__ = ("sam", "members")
+
+    def __init__(self) -> None:
+        self.sam = SuffixAutomaton()
+        self.members = 0
+
+
+def _walk(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_prob: float, reward: bool,
+          conf: float = ADAPTIVE_CONF):
+    """Greedy chain from state v: (tokens, cond_probs, score).
+
+    Up to ``limit`` tokens (then up to ``conf_limit`` while the path probability stays
+    >= ADAPTIVE_CONF), stopping when the path probability falls below ``min_prob``.
+    """
+    bt, bd, bq = sam.best_arrays(reward)
+    toks: list[int] = []
+    probs: list[float] = []
+    score = 0.0  # sum of path probabilities = expected accepted tokens (empirically)
+    p = 1.0
+    n = 0
+    while n < conf_limit:
+        c = bt[v]
+        if c == NO_CHILD:
+            break
+        q = bq[v]
+        p *= q
+        if p < min_prob or (n >= limit and p < conf):
+            break
+        toks.append(c)
+        probs.append(q)
+        score += p
+        v = bd[v]
+        n += 1
+    return toks, probs, score
+
+
+def _walk_growing(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_prob: float, reward: bool,
+                  conf: float = ADAPTIVE_CONF):
+    """``_walk`` for an index that changes while requests draft from it (siblings):
+    best children are cached per state instead of rebuilding the flat lists."""
+    cache = sam._wbest if reward else sam._best
+    toks: list[int] = []
+    probs: list[float] = []
+    score = 0.0  # sum of path probabilities = expected accepted tokens (empirically)
+    p = 1.0
+    n = 0
+    while n < conf_limit:
+        b = cache.get(v, False)
+        if b is False:
+            b = sam.best_child(v, reward)
+        if b is None:
+            break
+        c, v, q = b
+        p *= q
+        if p < min_prob or (n >= limit and p < conf):
+            break
+        toks.append(c)
+        probs.append(q)
+        score += p
+        n += 1
+    return toks, probs, score
+
+
+class DraftProposer:
+    def __init__(self, store: HistoryStore, cfg: HistoSpecConfig):
+        if cfg.min_match < 1 or cfg.match_window < cfg.min_match:
+            raise ValueError(f"histospec: need 1 <= min_match <= match_window (got {cfg.min_match}, {cfg.match_window})")
+        if cfg.draft_rule not in ("fixed", "aimd", "mimd", "adaptive"):
+            raise ValueError(f"histospec.draft_rule: unknown rule {cfg.draft_rule!r}")
+        self.store = store
+        self.cfg = cfg
+        self._reqs: dict[str, _Req] = {}
+        self._groups: dict[str, _Group] = {}
+        self._reward = cfg.branch == "reward"
+        self._stats = {"calls": 0, "drafts": 0, "proposed": 0, "accepted": 0, "feedbacks": 0, "draft_time_s": 0.0}
+
+    # -- request lifecycle ------------------------------------------------------------
+    def begin(self, req_id: str, key: int, group: str | None = None) -> None:
+        if req_id in self._reqs:  # a re-used id: retire the old request first
+            self.end(req_id)
+        r = _Req(key, group)
+        sam = self.store.index(key) if self.cfg.enabled else None
+        if sam is not None:
+            r.hist = _Match(sam)
+        if self.cfg.enabled and self.cfg.include_siblings and group is not None:
+            g = self._groups.get(group)
+            if g is None:
+                g = self._groups[group] = _Group()
+            g.members += 1
+            r.sib = _Match(g.sam)
+        r.window = self.cfg.fixed_len if self.cfg.draft_rule == "fixed" else START_LEN
+        self._reqs[req_id] = r
+
+    def end(self, req_id: str, response: Sequence[int] | None = None) -> None:
+        r = self._reqs.pop(req_id, None)
+        if r is None or r.group is None or r.sib is None:
+            return
+        g = self._groups.get(r.group)
+        if g is None:
+            return
+        if response:
+            g.sam.add([START] + [int(t) for t in response])
+        g.members -= 1
+        if g.members <= 0:
+            del self._groups[r.group]
+
+    def has_request(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
+    # -- drafting ---------------------------------------------------------------------
+    def propose(self, req_id: str, generated: Sequence[int], max_len: int) -> Draft:
+        t0 = time.perf_counter()
+        st = self._stats
+        st["calls"] += 1
+        r = self._reqs.get(req_id)
+        cfg = self.cfg
+        if r is None or max_len <= 0 or len(generated) < cfg.start_after or (r.hist is None and r.sib is None):
+            st["draft_time_s"] += time.perf_counter() - t0
+            if r is not None:
+                r.last_depth = 0
+            return Draft()
+        rule = cfg.draft_rule
+        cap = min(max_len, cfg.fixed_len if rule == "fixed" else cfg.max_draft)
+        limit = min(r.window, cap)
+        conf_limit = cap if rule == "adaptive" else limit
+        best = None
+        hist, sib = r.hist, r.sib
+        if hist is not None:
+            hist.advance(generated, cfg.match_window, self._reward)
+            best = self._chain_from(hist, limit, conf_limit, _walk)
+        # Siblings are consulted only where the history draft is missing or cut short
+        # of the window (matching them lazily: a stale match re-matches the window).
+        if sib is not None and sib.sam.num_tokens and (best is None or len(best[0]) < limit):
+            sib.advance(generated, cfg.match_window)
+            cand = self._chain_from(sib, limit, conf_limit, _walk_growing)
+            if cand is not None and (best is None or cand[2] > best[2]):
+                best = cand
+        if best is None:
+            r.last_depth = 0
+            st["draft_time_s"] += time.perf_counter() - t0
+            return Draft()
+        toks, probs, _, v, sam = best
+        n = len(toks)
+        parents = list(range(-1, n - 1))
+        if cfg.tree:
+            budget = min(max_len, max(cfg.tree_nodes, n))
+            if budget > n:
+                toks, probs, parents = self._grow_tree(sam, v, toks, probs, parents, budget, cap)
+        r.last_depth = n
+        st["drafts"] += 1
+        st["proposed"] += len(toks)
+        st["draft_time_s"] += time.perf_counter() - t0
+        return Draft(toks, probs, parents)
+
+    def _chain_from(self, m: _Match, limit: int, conf_limit: int, walk):
+        cfg = self.cfg
+        sam = m.sam
+        v, length = m.state, m.length
+        lens, link = sam.ln, sam.link
+        while length >= cfg.min_match:
+            toks, probs, score = walk(sam, v, limit, conf_limit, cfg.min_prob, self._reward, cfg.adaptive_conf)
+            if toks:
+                return toks, probs, score, v, sam
+            # Back off to the next shorter match (the release tries 7, 6, 5, 4).
+            v = link[v]
+            length = lens[v]
+        return None
+
+    def _grow_tree(self, sam, root_state, toks, probs, parents, budget, depth_limit):
+        """Add the most probable side branches to a chain, up to ``budget`` nodes."""
+        cfg = self.cfg
+        toks, probs, parents = list(toks), list(probs), list(parents)
+        # Re-walk the spine to know each spine node's automaton state.
+        states, paths = [], []
+        v, pp = root_state, 1.0
+        for c, q in zip(toks, probs):
+            v = sam.trans(v, c)
+            pp *= q
+            states.append(v)
+            paths.append(pp)
+        heap: list = []
+        tick = 0
+
+        def push_children(node: int, state: int, path: float, depth: int, skip: int | None):
+            nonlocal tick
+            if depth >= depth_limit:
+                return
+            k = 0
+            for c, u, q, _ in sam.children(state):
+                if c == skip:
+                    continue
+                pp = path * q
+                if pp < cfg.min_prob or k >= cfg.tree_topk:
+                    break
+                tick += 1
+                heapq.heappush(heap, (-pp, tick, node, c, u, q, depth + 1))
+                k += 1
+
+        push_children(-1, root_state, 1.0, 0, toks[0] if toks else None)
+        for i, (s, pth) in enumerate(zip(states, paths)):
+            push_children(i, s, pth, i + 1, toks[i + 1] if i + 1 < len(toks) else None)
+        while heap and len(toks) < budget:
+            negp, _, parent, c, u, q, depth = heapq.heappop(heap)
+            toks.append(c)
+            probs.append(q)
+            parents.append(parent)
+            push_children(len(toks) - 1, u, -negp, depth, None)
+        return toks, probs, parents
+
+    # -- adaptive length ----------------------------------------------------------------
+    def feedback(self, req_id: str, proposed: int, accepted: int) -> None:
+        st = self._stats
+        st["feedbacks"] += 1
+        st["accepted"] += max(0, accepted)
+        r = self._reqs.get(req_id)
+        if r is None or proposed <= 0:
+            return
+        rule = self.cfg.draft_rule
+        if rule == "fixed":
+            return
+        cap = self.cfg.max_draft
+        depth = r.last_depth or proposed
+        full = accepted >= min(proposed, depth)
+        w = r.window
+        if rule == "aimd":
+            r.window = min(w + 2, cap) if full else START_LEN
+        else:  # mimd and adaptive
+            r.window = min(2 * w, cap) if full else max(START_LEN, w // 2)
+
+    def window(self, req_id: str) -> int:
+        return self._reqs[req_id].window
+
+    def stats(self) -> dict:
+        s = dict(self._stats)
+        s["draft_time_us_per_call"] = 1e6 * s["draft_time_s"] / max(1, s["calls"])
+        s["acceptance_rate"] = s["accepted"] / max(1, s["proposed"])
+        s["active_requests"] = len(self._reqs)
+        s["active_groups"] = len(self._groups)
+        return s
+
+    def reset_stats(self) -> None:
+        for k in self._stats:
+            self._stats[k] = 0.0 if k == "draft_time_s" else 0

@@ -1,0 +1,276 @@
+"""History store: each prompt's responses from its last K rollout visits.
+
+Keyed by ``prompt_key`` (a hash of the prompt token ids). Each kept visit ("epoch")
+holds the n responses and their rewards; a suffix automaton per prompt indexes all
+kept responses. A global token budget bounds the store: when it is exceeded the
+globally oldest visits are evicted first (a prompt whose last visit is evicted is
+forgotten). Saved as a versioned, checksummed binary file; the indexes are not saved
+(they are rebuilt on first use, from the tokens).
+
+Indexes are built in bulk when a visit is added (``add_group``, ~6 us per token in
+CPython, off the decode path) and kept in the compact frozen form (~150 bytes per
+history token). A prompt's index is rebuilt from its kept visits whenever one is added
+or evicted; online (incremental) indexing is used where text arrives while requests
+draft from it: in-flight siblings (``DraftProposer``) and SuffixDecoding's
+per-request tree (bench baseline).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import math
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rhymerl.atomic import atomic_write_bytes
+from rhymerl.config import HistoSpecConfig
+from rhymerl.histospec.index import START, FrozenSuffixAutomaton, SuffixAutomaton
+
+MAGIC = b"RHYMEHST"
+FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sII32sQ")  # magic, version, reserved, sha256(payload), payload length
+
+
+class HistoryError(ValueError):
+    """A corrupt or mismatched history file, or a bad argument to the store."""
+
+
+def reward_weights(rewards: Optional[Sequence[float]], n: int) -> list[float]:
+    """Per-response weights for reward-aware branch choice, in [0.5, 1.5].
+
+    The paper only says branches from higher-reward responses are preferred; its
+    formula was not published. We weigh each occurrence by 1 + (r - mean)/(max - min)
+    so a branch's weighted count still scales with its frequency (a rare high-reward
+    branch does not beat a unanimous one) while ties between similar counts go to the
+    higher-reward continuation. Equal or missing rewards give weight 1 everywhere.
+    """
+    if rewards is None:
+        return [1.0] * n
+    r = [float(x) for x in rewards]
+    lo, hi = min(r), max(r)
+    if not hi > lo:
+        return [1.0] * n
+    mean = sum(r) / n
+    return [1.0 + (x - mean) / (hi - lo) for x in r]
+
+
+@dataclass
+class _Visit:
+    epoch: int
+    responses: list[list[int]]
+    rewards: Optional[list[float]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(r) for r in self.responses)
+
+
+@dataclass
+class _Entry:
+    visits: list[_Visit] = field(default_factory=list)  # oldest first
+    index: Optional[FrozenSuffixAutomaton] = None
+
+
+class HistoryStore:
+    def __init__(self, cfg: HistoSpecConfig, vocab_size: int | None = None):
+        if cfg.epochs_kept < 1:
+            raise HistoryError(f"histospec.epochs_kept must be >= 1 (got {cfg.epochs_kept})")
+        self.cfg = cfg
+        self._vocab_size = vocab_size
+        self._max_token = -1
+        self._entries: dict[int, _Entry] = {}
+        # (key, epoch) in insertion order: eviction takes from the front.
+        self._order: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.num_tokens = 0
+
+    # -- queries --------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int | None:
+        """The vocabulary size given at construction, else (largest token id seen) + 1."""
+        if self._vocab_size is not None:
+            return self._vocab_size
+        return self._max_token + 1 if self._max_token >= 0 else None
+
+    def has(self, key: int) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def keys(self) -> list[int]:
+        return list(self._entries)
+
+    def lengths(self, key: int) -> list[list[int]]:
+        e = self._entries.get(key)
+        return [] if e is None else [[len(r) for r in v.responses] for v in e.visits]
+
+    def epochs(self, key: int) -> list[int]:
+        e = self._entries.get(key)
+        return [] if e is None else [v.epoch for v in e.visits]
+
+    def responses(self, key: int) -> list[list[list[int]]]:
+        e = self._entries.get(key)
+        return [] if e is None else [v.responses for v in e.visits]
+
+    def index(self, key: int) -> Optional[FrozenSuffixAutomaton]:
+        """The prompt's suffix automaton (built on first use), or None if unknown."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        if e.index is None:
+            e.index = self._build(e)
+        return e.index
+
+    def index_memory_bytes(self) -> int:
+        return sum(e.index.memory_bytes() for e in self._entries.values() if e.index is not None)
+
+    # -- updates --------------------------------------------------------------------
+    def add_group(self, key: int, epoch: int, responses: list[list[int]], rewards: list[float] | None = None) -> None:
+        """Record a prompt's responses from one rollout visit (and index them now)."""
+        if rewards is not None and len(rewards) != len(responses):
+            raise HistoryError(f"add_group: {len(rewards)} rewards for {len(responses)} responses")
+        resp = [self._check_tokens(r) for r in responses]
+        rew = None if rewards is None else [float(x) for x in rewards]
+        e = self._entries.setdefault(int(key), _Entry())
+        if e.visits and epoch < e.visits[-1].epoch:
+            raise HistoryError(f"add_group: epoch {epoch} is older than the newest kept epoch {e.visits[-1].epoch} of this prompt")
+        if e.visits and e.visits[-1].epoch == epoch:
+            # A second group of the same prompt in the same epoch joins that visit.
+            v = e.visits[-1]
+            v.responses.extend(resp)
+            v.rewards = None if (v.rewards is None or rew is None) else v.rewards + rew
+            # Reward weights are relative to the whole visit, so the index is rebuilt.
+            e.index = None
+        else:
+            e.visits.append(_Visit(int(epoch), resp, rew))
+            self._order[(int(key), int(epoch))] = None
+            while len(e.visits) > self.cfg.epochs_kept:
+                self._drop_oldest_visit(int(key), e)
+            # Frozen indexes are rebuilt from the kept tokens (O(tokens), off the decode path).
+            e.index = None
+        self.num_tokens += sum(len(r) for r in resp)
+        self._enforce_budget(keep=(int(key), int(epoch)))
+        if int(key) in self._entries:
+            self.index(int(key)).best_arrays(self.cfg.branch == "reward")
+
+    def _check_tokens(self, r: Sequence[int]) -> list[int]:
+        out = [int(t) for t in r]
+        if out:
+            lo, hi = min(out), max(out)
+            if lo < 0:
+                raise HistoryError(f"add_group: negative token id {lo}")
+            if self._vocab_size is not None and hi >= self._vocab_size:
+                raise HistoryError(f"add_group: token id {hi} >= vocab_size {self._vocab_size}")
+            self._max_token = max(self._max_token, hi)
+        return out
+
+    def _drop_oldest_visit(self, key: int, e: _Entry) -> None:
+        v = e.visits.pop(0)
+        self.num_tokens -= v.num_tokens
+        self._order.pop((key, v.epoch), None)
+        e.index = None
+        if not e.visits:
+            del self._entries[key]
+
+    def _enforce_budget(self, keep: tuple[int, int]) -> None:
+        while self.num_tokens > self.cfg.token_budget and self._order:
+            key, epoch = next(iter(self._order))
+            if (key, epoch) == keep and len(self._order) == 1:
+                break  # a single visit larger than the budget is kept rather than dropped silently
+            if (key, epoch) == keep:
+                self._order.move_to_end((key, epoch))
+                continue
+            e = self._entries[key]
+            assert e.visits[0].epoch == epoch
+            self._drop_oldest_visit(key, e)
+
+    def _build(self, e: _Entry) -> FrozenSuffixAutomaton:
+        sam = SuffixAutomaton(online=False)
+        for v in e.visits:
+            for r, w in zip(v.responses, reward_weights(v.rewards, len(v.responses))):
+                sam.add([START] + r, w)
+        return sam.freeze()
+
+    # -- serialisation ----------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        buf = io.BytesIO()
+        vs = -1 if self._vocab_size is None else self._vocab_size
+        buf.write(struct.pack("<qqI", vs, self._max_token, len(self._order)))
+        for key, epoch in self._order:
+            v = next(x for x in self._entries[key].visits if x.epoch == epoch)
+            lens = np.asarray([len(r) for r in v.responses], dtype="<i4")
+            toks = np.asarray([t for r in v.responses for t in r], dtype="<i4")
+            rew = np.asarray(v.rewards if v.rewards is not None else [math.nan] * len(v.responses), dtype="<f8")
+            buf.write(struct.pack("<QqIB", key, epoch, len(lens), v.rewards is not None))
+            buf.write(lens.tobytes())
+            buf.write(rew.tobytes())
+            buf.write(toks.tobytes())
+        payload = buf.getvalue()
+        return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, hashlib.sha256(payload).digest(), len(payload)) + payload
+
+    @classmethod
+    def from_bytes(cls, b: bytes, cfg: HistoSpecConfig, vocab_size: int | None = None, source: str = "<bytes>") -> "HistoryStore":
+        if len(b) < _HEADER.size:
+            raise HistoryError(f"{source}: not a HistoSpec history file (only {len(b)} bytes)")
+        magic, version, _, digest, n = _HEADER.unpack_from(b)
+        if magic != MAGIC:
+            raise HistoryError(f"{source}: not a HistoSpec history file (bad magic {magic!r})")
+        if version != FORMAT_VERSION:
+            raise HistoryError(f"{source}: history format version {version}, this code reads version {FORMAT_VERSION}")
+        payload = b[_HEADER.size:]
+        if len(payload) != n:
+            raise HistoryError(f"{source}: truncated history file ({len(payload)} of {n} payload bytes)")
+        if hashlib.sha256(payload).digest() != digest:
+            raise HistoryError(f"{source}: history file checksum mismatch (corrupt file)")
+        vs, max_tok, nvisits = struct.unpack_from("<qqI", payload)
+        file_vocab = None if vs < 0 else vs
+        if vocab_size is not None and file_vocab is not None and file_vocab != vocab_size:
+            raise HistoryError(f"{source}: history was recorded with vocab_size {file_vocab}, the model has {vocab_size}")
+        if vocab_size is not None and max_tok >= vocab_size:
+            raise HistoryError(f"{source}: history holds token id {max_tok}, outside the model's vocab_size {vocab_size}")
+        store = cls(cfg, vocab_size if vocab_size is not None else file_vocab)
+        off = struct.calcsize("<qqI")
+        rec = struct.Struct("<QqIB")
+        try:
+            for _ in range(nvisits):
+                key, epoch, nresp, has_rew = rec.unpack_from(payload, off)
+                off += rec.size
+                lens = np.frombuffer(payload, "<i4", nresp, off); off += 4 * nresp
+                rew = np.frombuffer(payload, "<f8", nresp, off); off += 8 * nresp
+                ntok = int(lens.sum())
+                toks = np.frombuffer(payload, "<i4", ntok, off).tolist(); off += 4 * ntok
+                bounds = np.concatenate([[0], np.cumsum(lens)]).tolist()
+                responses = [toks[bounds[i]:bounds[i + 1]] for i in range(nresp)]
+                store._load_visit(key, epoch, responses, rew.tolist() if has_rew else None)
+        except (struct.error, ValueError) as e:
+            raise HistoryError(f"{source}: malformed history payload ({e})") from None
+        if off != len(payload):
+            raise HistoryError(f"{source}: {len(payload) - off} unexpected trailing bytes")
+        store._max_token = max(store._max_token, max_tok)
+        store._enforce_budget(keep=(-1, -1))
+        return store
+
+    def _load_visit(self, key: int, epoch: int, responses: list[list[int]], rewards) -> None:
+        # No index build here: loading a large store stays fast; indexes build on first use.
+        e = self._entries.setdefault(key, _Entry())
+        e.visits.append(_Visit(epoch, responses, rewards))
+        self._order[(key, epoch)] = None
+        self.num_tokens += sum(len(r) for r in responses)
+        while len(e.visits) > self.cfg.epochs_kept:
+            self._drop_oldest_visit(key, e)
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_bytes(Path(path), self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | Path, cfg: HistoSpecConfig, vocab_size: int | None = None) -> "HistoryStore":
+        path = Path(path)
+        if not path.is_file():
+            raise HistoryError(f"history file {path} does not exist")
+        return cls.from_bytes(path.read_bytes(), cfg, vocab_size, source=str(path))

@@ -1,0 +1,86 @@
+import json
+
+import numpy as np
+import pytest
+
+from bench import histospec as bench
+from rhymerl.histospec.baselines import NgramDrafter, SuffixDecodingDrafter, suffix_speculate
+from rhymerl.histospec.index import SuffixAutomaton
+from rhymerl.histospec.synthetic import synthetic_trace
+from rhymerl.traces import by_epoch, read_trace, write_trace
+
+pytestmark = pytest.mark.cpu
+
+
+def vllm_ngram_reference(ctx, min_n, max_n, k):
+    """Brute force of vLLM's rule: longest n, earliest earlier occurrence."""
+    for n in range(max_n, min_n - 1, -1):
+        if len(ctx) <= n:
+            continue
+        pat = ctx[-n:]
+        for i in range(len(ctx) - n):
+            if ctx[i:i + n] == pat:
+                return ctx[i + n:i + n + k]
+    return []
+
+
+def test_ngram_matches_vllm_rule():
+    rng = np.random.default_rng(0)
+    ctx = rng.integers(0, 3, size=60).tolist()
+    d = NgramDrafter(2, 4, k=5)
+    d.begin(ctx[:10])
+    for end in range(10, 60):
+        got = d.propose([] if end == 10 else [ctx[end - 1]], 5)
+        assert got == vllm_ngram_reference(ctx[:end], 2, 4, 5)
+
+
+def test_suffix_speculate_budget_follows_match_length():
+    sam = SuffixAutomaton()
+    sam.add(list(range(100)))
+    toks, score, L = suffix_speculate(sam, [97, 3, 4, 5], k=16, factor=1.0, offset=0.0, min_prob=0.1, max_depth=24)
+    assert (toks, L) == ([6, 7, 8], 3) and score == 3.0  # max_spec_factor * match_len tokens
+    d = SuffixDecodingDrafter(k=16)
+    d.add_response([1, 2, 3, 4, 5, 6, 7, 8])
+    d.begin("r", [50, 51])
+    assert d.propose("r", [1, 2, 3], 16) == [4, 5, 6]
+    d.end("r", [9, 9])
+    assert d.global_index.num_seqs == 2
+
+
+def test_synthetic_similarity_is_controllable():
+    def copied(sim):
+        ep = by_epoch(synthetic_trace(num_prompts=4, n=4, epochs=2, similarity=sim, mean_len=120, seed=1))
+        hits = tot = 0
+        for pid, recs in ep[1].items():
+            grams = {tuple(r.token_ids[i:i + 4]) for r in ep[0][pid] for i in range(len(r.token_ids) - 3)}
+            for r in recs:
+                t = r.token_ids
+                hits += sum(tuple(t[i:i + 4]) in grams for i in range(len(t) - 3))
+                tot += len(t) - 3
+        return hits / tot
+    lo, hi = copied(0.5), copied(0.95)
+    assert lo < hi and hi > 0.8
+
+
+def test_bench_json_contract_and_ordering(capsys, tmp_path):
+    rc = bench.main(["--json", "--prompts", "6", "--n", "4", "--mean-len", "96", "--ablations", "none",
+                     "--no-forward-timing"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    m = out["methods"]
+    assert set(m) == {"none", "ngram", "suffix", "histospec_chain", "histospec_tree"}
+    for v in m.values():
+        for key in ("tokens_per_forward", "mean_accepted_len", "draft_us_per_token"):
+            assert isinstance(v[key], (int, float))
+    assert m["none"]["tokens_per_forward"] == 1.0
+    assert m["histospec_tree"]["tokens_per_forward"] >= m["histospec_chain"]["tokens_per_forward"] > 1.5
+    assert m["histospec_chain"]["tokens_per_forward"] > m["ngram"]["tokens_per_forward"] >= 1.0
+
+
+def test_bench_reads_trace_files(capsys, tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_trace(path, synthetic_trace(num_prompts=3, n=2, epochs=2, mean_len=40, seed=3))
+    assert len(read_trace(path)) == 12
+    assert bench.main(["--json", "--trace", str(path), "--ablations", "none", "--no-forward-timing"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["source"] == {"trace": str(path)} and out["methods"]["histospec_chain"]["generated_tokens"] > 0

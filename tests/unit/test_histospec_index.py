@@ -1,0 +1,124 @@
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from rhymerl.histospec import SuffixAutomaton, prompt_key
+from rhymerl.histospec.hashing import xxh64_py
+
+pytestmark = pytest.mark.cpu
+
+
+def brute_counts(seqs, max_len):
+    occ = Counter()
+    for s in seqs:
+        for i in range(len(s)):
+            for L in range(1, max_len + 1):
+                if i + L <= len(s):
+                    occ[tuple(s[i:i + L])] += 1
+    return occ
+
+
+@pytest.mark.parametrize("alphabet", [2, 5, 50])
+def test_counts_match_brute_force_batch_and_online(alphabet):
+    rng = np.random.default_rng(alphabet)
+    seqs = [rng.integers(0, alphabet, size=int(rng.integers(1, 60))).tolist() for _ in range(6)]
+    sam = SuffixAutomaton()
+    for s in seqs[:-1]:
+        sam.add(s, weight=2.0)
+    sam.start_sequence()
+    for t in seqs[-1]:
+        sam.push(t, weight=0.5)
+    occ = brute_counts(seqs, 6)
+    wocc = Counter()
+    for k, s in enumerate(seqs):
+        for sub, c in brute_counts([s], 6).items():
+            wocc[sub] += c * (2.0 if k < len(seqs) - 1 else 0.5)
+    for sub, n in occ.items():
+        st, length = sam.match(sub)
+        assert length == len(sub)
+        assert sam.cnt[st] == n
+        assert sam.wcnt[st] == pytest.approx(wocc[sub])
+    assert sam.num_states <= 2 * sum(len(s) for s in seqs) + 1
+
+
+def test_match_finds_longest_occurring_suffix():
+    rng = np.random.default_rng(0)
+    text = rng.integers(0, 4, size=80).tolist()
+    sam = SuffixAutomaton()
+    sam.add(text)
+    subs = {tuple(text[i:j]) for i in range(len(text)) for j in range(i + 1, min(len(text), i + 12) + 1)}
+    for _ in range(200):
+        q = rng.integers(0, 4, size=int(rng.integers(1, 12))).tolist()
+        want = max((L for L in range(len(q) + 1) if L == 0 or tuple(q[len(q) - L:]) in subs), default=0)
+        assert sam.match(q)[1] == want
+
+
+def test_children_probabilities_are_empirical_continuations():
+    sam = SuffixAutomaton()
+    for r in ([1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 2]):
+        sam.add(r)
+    st, _ = sam.match([1, 2])
+    kids = {c: p for c, _, p, _ in sam.children(st)}
+    # 4 occurrences of "1 2": followed by 3 twice, 4 once, end of response once.
+    assert kids == {3: 0.5, 4: 0.25}
+    tok, _, p = sam.best_child(st)
+    assert (tok, p) == (3, 0.5)
+
+
+def test_reward_weighted_best_child():
+    sam = SuffixAutomaton()
+    sam.add([5, 6, 7], weight=0.6)
+    sam.add([5, 6, 7], weight=0.6)
+    sam.add([5, 6, 8], weight=1.5)
+    st, _ = sam.match([5, 6])
+    assert sam.best_child(st)[0] == 7  # frequency: 2 vs 1
+    assert sam.best_child(st, reward=True)[0] == 8  # weighted: 1.2 vs 1.5
+
+
+def test_prompt_key_is_xxh64_of_int32_le_and_stable():
+    ids = [151644, 8948, 198, 2610, 525]
+    data = np.asarray(ids, dtype="<i4").tobytes()
+    assert prompt_key(ids) == xxh64_py(data)
+    # Known XXH64 test vectors (seed 0).
+    assert xxh64_py(b"") == 0xEF46DB3751D8E999
+    assert xxh64_py(b"a") == 0xD24EC4F1A98C6E5B
+    assert xxh64_py(b"abc") == 0x44BC2CF5AD770999
+    assert prompt_key([1, 2, 3]) == prompt_key(np.array([1, 2, 3], dtype=np.int64))
+    assert prompt_key([1, 2, 3]) != prompt_key([1, 2, 4])
+    try:
+        import xxhash
+    except ImportError:
+        return
+    rng = np.random.default_rng(0)
+    for n in range(0, 70):
+        b = rng.integers(0, 256, size=n, dtype=np.uint8).tobytes()
+        assert xxh64_py(b) == xxhash.xxh64_intdigest(b)
+
+
+def test_frozen_copy_answers_like_the_growing_index():
+    rng = np.random.default_rng(7)
+    sam = SuffixAutomaton()
+    for _ in range(5):
+        sam.add(rng.integers(0, 6, size=50).tolist(), weight=float(rng.random()))
+    frozen = sam.freeze()
+    assert frozen.num_states == sam.num_states and frozen.num_tokens == sam.num_tokens
+    for _ in range(100):
+        q = rng.integers(0, 6, size=int(rng.integers(1, 9))).tolist()
+        st, length = sam.match(q)
+        assert frozen.match(q) == (st, length)
+        assert frozen.children(st) == sam.children(st)
+        for reward in (False, True):
+            assert frozen.best_child(st, reward) == sam.best_child(st, reward)
+    assert frozen.memory_bytes() < sam.memory_bytes() / 2
+
+
+def test_bulk_build_counts_equal_online_counts():
+    rng = np.random.default_rng(9)
+    seqs = [rng.integers(0, 4, size=40).tolist() for _ in range(4)]
+    online, bulk = SuffixAutomaton(), SuffixAutomaton(online=False)
+    for k, s in enumerate(seqs):
+        online.add(s, weight=k + 0.5)
+        bulk.add(s, weight=k + 0.5)
+    a, b = online.freeze(), bulk.freeze()
+    assert list(a.cnt) == list(b.cnt) and list(a.wcnt) == pytest.approx(list(b.wcnt))
