@@ -153,6 +153,7 @@ class AlgorithmConfig:
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0
     eps_low: float = 0.2
     eps_high: float = 0.2

@@ -104,12 +104,15 @@ class Trainer:
         else:
             self.planner = NoopPlanner(self.num_instances)
 
-        self.backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype, seed=cfg.run.seed)
+        # Log-probs at the sampling temperature: the distribution the responses came from.
+        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        self.backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype,
+                                     seed=cfg.run.seed, temperature=temp)
         self.ref_backend = None
         if cfg.algo.kl_coef > 0:
-            # A frozen copy of the initial policy: never stepped, so its log-probs are the reference.
+            # A frozen copy of the initial policy (no optimizer): its log-probs are the KL reference.
             self.ref_backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype,
-                                             seed=cfg.run.seed)
+                                             seed=cfg.run.seed, temperature=temp, train=False)
         self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + comm.rank,
                                     history=self.history, dtype=cfg.model.dtype)
         self.rewards = RewardPool(cfg.reward, start_method=cfg.reward.start_method) if comm.rank == 0 else None

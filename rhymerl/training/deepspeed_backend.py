@@ -1,0 +1,212 @@
+"""DeepSpeed ZeRO (stage 0-3) backend for HF ``transformers`` models, with the same interface.
+
+Data parallel only (ZeRO shards optimizer state, gradients and, at stage 3, parameters). The
+optimizer is a plain ``torch.optim.AdamW`` handed to DeepSpeed, which avoids DeepSpeed's JIT-built
+Adam kernels. Gradient accumulation over token-budget micro-batches is driven explicitly
+(``set_gradient_accumulation_boundary``) so one ``train_step`` is exactly one optimizer step,
+whatever the number of micro-batches.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from rhymerl.config import AlgorithmConfig, ParallelConfig
+from rhymerl.training.base import PolicyBatch, StepMetrics
+from rhymerl.training.megatron_backend import BACKEND_META, DTYPES, HF_SIDE_FILES, combine_metrics
+from rhymerl.training.microbatch import plan_micro_batches, rank_slice, split_micro
+from rhymerl.training.process_groups import ProcessGroups
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[B, T] log p(x_t | x_<t) from full logits [B, T, V] (0 at t = 0)."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+
+
+def deepspeed_config(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, dtype: str) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # DeepSpeed's own default (1.0) would clip even when the user asked for none.
+        "gradient_clipping": float(algo_cfg.grad_clip),
+        "zero_optimization": {"stage": int(parallel_cfg.zero_stage)},
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+    if dtype == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    elif dtype == "float16":
+        cfg["fp16"] = {"enabled": True}
+    return cfg
+
+
+class DeepSpeedBackend:
+    """``TrainingBackend`` on DeepSpeed ZeRO. Construct through ``rhymerl.training.build_backend``."""
+
+    def __init__(self, parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path,
+                 groups: ProcessGroups, dtype: str = "float32", seed: int = 0, *,
+                 temperature: float = 1.0, loss_fn=None, train: bool = True):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        if parallel_cfg.tensor_parallel != 1 or parallel_cfg.pipeline_parallel != 1:
+            raise ValueError("parallel.backend: deepspeed shards with ZeRO only; set tensor_parallel=1 and pipeline_parallel=1")
+        if dtype not in DTYPES:
+            raise ValueError(f"model.dtype: {dtype!r} not allowed; allowed: {', '.join(DTYPES)}")
+        self.parallel_cfg, self.algo_cfg, self.groups = parallel_cfg, algo_cfg, groups
+        self.model_path, self.dtype_name = Path(model_path), dtype
+        self.temperature = float(temperature)
+        self._loss_fn = loss_fn
+        self.steps = 0
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=DTYPES[dtype])
+        model.to(groups.device)
+        a = algo_cfg
+        optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=tuple(a.betas), eps=a.adam_eps,
+                                      weight_decay=a.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(parallel_cfg, algo_cfg, dtype),
+            dist_init_required=False)
+        self.module = self.engine.module
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward_lp(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.engine(input_ids=ids.to(self.groups.device)).logits
+        return token_logprobs(logits, ids.to(logits.device), self.temperature)
+
+    def _gather_dp(self, local: torch.Tensor, rows_per_rank: int) -> torch.Tensor:
+        g = self.groups
+        parts = [local]
+        if g.dp_size > 1:
+            parts = [torch.empty_like(local) for _ in range(g.dp_size)]
+            dist.all_gather(parts, local.contiguous(), group=g.dp)
+        return torch.cat([p.cpu()[:rows_per_rank] for p in parts], dim=0)
+
+    def compute_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+        g = self.groups
+        B, T = input_ids.shape
+        plan = plan_micro_batches(B, T, g.dp_size, self.algo_cfg.micro_batch_tokens)
+        self.engine.eval()
+        with torch.no_grad():
+            local = torch.cat([self._forward_lp(m) for m in split_micro(rank_slice(input_ids.long(), plan, g.dp_rank), plan)])
+        self.engine.train()
+        full = self._gather_dp(local.float(), plan.rows_per_rank)
+        return full[:B] * response_mask.to(full.dtype)
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: PolicyBatch) -> StepMetrics:
+        if self._loss_fn is None:
+            from rhymerl.algorithms.losses import policy_loss as loss_fn
+        else:
+            loss_fn = self._loss_fn
+        g = self.groups
+        B, T = batch.input_ids.shape
+        plan = plan_micro_batches(B, T, g.dp_size, self.algo_cfg.micro_batch_tokens)
+        fields = {"input_ids": batch.input_ids.long(), "mask": batch.response_mask.float(),
+                  "advantages": batch.advantages.float(), "old": batch.old_logprobs.float()}
+        if batch.ref_logprobs is not None:
+            fields["ref"] = batch.ref_logprobs.float()
+        split = {k: split_micro(rank_slice(v, plan, g.dp_rank), plan) for k, v in fields.items()}
+        num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
+        self.engine.train()
+        per_micro, loss_total = [], 0.0
+        for i in range(plan.num_micro):
+            mb = {k: split[k][i] for k in split}
+            lp = self._forward_lp(mb["input_ids"])
+            dev = lp.device
+            loss, metrics = loss_fn(lp, mb["old"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
+                                    self.algo_cfg, mb["ref"].to(dev) if "ref" in mb else None,
+                                    num_tokens=num_tokens, num_sequences=float(B))
+            self.engine.set_gradient_accumulation_boundary(i == plan.num_micro - 1)
+            # DeepSpeed averages gradients over DP ranks; the loss is already this shard's share.
+            self.engine.backward(loss * g.dp_size, scale_wrt_gas=False)
+            loss_total += float(loss.detach())
+            per_micro.append({k: float(v) for k, v in metrics.items()})
+        self.engine.step()
+        self.steps += 1
+        if g.dp_size > 1:
+            parts = [None] * g.dp_size
+            dist.all_gather_object(parts, (loss_total, per_micro), group=g.dp)
+        else:
+            parts = [(loss_total, per_micro)]
+        extra = combine_metrics([m for _, ms in parts for m in ms])
+        grad_norm = self.engine.get_global_grad_norm()
+        return StepMetrics(loss=sum(l for l, _ in parts), grad_norm=float(grad_norm or 0.0),
+                           lr=float(self.optimizer.param_groups[0]["lr"]), extra=extra)
+
+    # ------------------------------------------------------------------ weights out
+
+    def export_hf_weights(self, bucket_bytes: int, stats=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named tensors in buckets; under ZeRO-3 each parameter is gathered, copied and released."""
+        import deepspeed
+
+        zero3 = self.parallel_cfg.zero_stage == 3
+        bucket, used = [], 0
+        for name, p in self.module.named_parameters():
+            size = p.ds_numel * p.element_size() if zero3 else p.numel() * p.element_size()
+            if bucket and used + size > bucket_bytes:
+                yield bucket
+                bucket, used = [], 0
+            if zero3:
+                with deepspeed.zero.GatheredParameters([p]):
+                    t = p.detach().clone()
+            else:
+                t = p.detach()
+            bucket.append((name, t))
+            used += t.numel() * t.element_size()
+        if bucket:
+            yield bucket
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, folder: Path) -> None:
+        folder = Path(folder)
+        tmp = folder.parent / f".{folder.name}.tmp"
+        rank0 = dist.get_rank() == 0
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        self.engine.save_checkpoint(str(tmp), tag="state")
+        dist.barrier()
+        if rank0:
+            from rhymerl.atomic import atomic_write_text, fsync_tree
+
+            hf = tmp / "hf_config"
+            hf.mkdir()
+            for name in HF_SIDE_FILES:
+                if (self.model_path / name).is_file():
+                    shutil.copy2(self.model_path / name, hf / name)
+            meta = {"kind": "deepspeed", "steps": self.steps, "dtype": self.dtype_name,
+                    "zero_stage": self.parallel_cfg.zero_stage, "data_parallel": self.groups.dp_size}
+            atomic_write_text(tmp / BACKEND_META, json.dumps(meta, indent=2))
+            fsync_tree(tmp)
+            if folder.exists():
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        dist.barrier()
+
+    def load_checkpoint(self, folder: Path, load_optimizer: bool = True) -> None:
+        folder = Path(folder)
+        meta_file = folder / BACKEND_META
+        if not meta_file.is_file():
+            raise FileNotFoundError(f"checkpoint {folder} has no {BACKEND_META}: not a RhymeRL backend checkpoint")
+        meta = json.loads(meta_file.read_text())
+        if meta.get("kind") != "deepspeed":
+            raise ValueError(f"checkpoint {folder} was written by the {meta.get('kind')} backend, not deepspeed")
+        path, _ = self.engine.load_checkpoint(str(folder), tag="state", load_optimizer_states=load_optimizer,
+                                              load_lr_scheduler_states=load_optimizer)
+        if path is None:
+            raise FileNotFoundError(f"deepspeed found no checkpoint state in {folder}")
+        self.steps = int(meta.get("steps", 0))
