@@ -38,8 +38,9 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-class MetricsFile:
-    """``metrics.jsonl`` in the run folder: one line per step, rewritten up to the resume point."""
+class StepLog:
+    """A JSONL file of per-step rows in the run folder, cut back to the resume point on resume
+    (rows of steps that ran after the checkpoint, before a kill, are replayed)."""
 
     def __init__(self, path: Path, resume_step: int, enabled: bool):
         self.path = path
@@ -59,15 +60,24 @@ class MetricsFile:
 
         atomic_write_text(path, "".join(k + "\n" for k in keep))
 
-    def append(self, step: int, metrics: dict) -> None:
+    def append(self, step: int, rows: list[dict]) -> None:
         if not self.enabled:
             return
-        row = {"step": step, **{k: (v if isinstance(v, (int, float, str, bool)) or v is None else float(v))
-                                for k, v in metrics.items()}}
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write("".join(json.dumps({"step": step, **r}) + "\n" for r in rows))
             f.flush()
             os.fsync(f.fileno())
+
+
+def _plain_metrics(metrics: dict) -> dict:
+    return {k: (v if isinstance(v, (int, float, str, bool)) or v is None else float(v)) for k, v in metrics.items()}
+
+
+def _trace_rows(trainer, out) -> list[dict]:
+    """One rhymerl.traces row per response of the step."""
+    recs = trainer.last_batch_records
+    return [{"prompt_id": recs[s.group].id, "epoch": out.epoch, "sample_idx": s.sample_idx, "token_ids": s.token_ids,
+             "logprobs": s.logprobs, "reward": s.reward} for s in out.samples]
 
 
 def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
@@ -108,7 +118,8 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
 
     total = cfg.run.max_steps or cfg.run.epochs * trainer.sampler.steps_per_epoch
     tracker = Tracker(cfg.tracking, run_dir, cfg.run.name, to_dict(cfg), rank, resume_run_id=run_id, max_steps=total)
-    metrics_file = MetricsFile(run_dir / "metrics.jsonl", trainer.step, enabled=rank == 0)
+    metrics_file = StepLog(run_dir / "metrics.jsonl", trainer.step, enabled=rank == 0)
+    traces_file = StepLog(run_dir / "traces.jsonl", trainer.step, enabled=rank == 0 and cfg.run.save_traces)
 
     def save() -> None:
         blobs = trainer.state_blobs()
@@ -125,7 +136,8 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
             tracker.log_lengths(out.step, [len(s.token_ids) for s in out.samples])
             tracker.log_samples(out.step, [{"reward": s.reward, "response": s.text} for s in out.samples[:8]])
             tracker.flush()
-            metrics_file.append(out.step, out.metrics)
+            metrics_file.append(out.step, [_plain_metrics(out.metrics)])
+            traces_file.append(out.step, _trace_rows(trainer, out))
             stop = comm.any_true(preempt.requested)
             if stop or ckpt.should_save(trainer.step) or trainer.step == total:
                 save()

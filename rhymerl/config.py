@@ -37,6 +37,9 @@ class RunSection:
     epochs: int = 2
     # Threads torch may use on CPU hosts (0 = torch's default).
     cpu_threads: int = 0
+    # Append every response to <output_dir>/traces.jsonl (rhymerl.traces format: the
+    # HistoSpec benchmark and the HistoPipe simulator replay it).
+    save_traces: bool = True
 
 
 @dataclass

@@ -121,7 +121,7 @@ class Trainer:
         self.ds_buffer = DynamicSamplingBuffer.from_config(cfg.algo, cfg.data.prompts_per_step) \
             if cfg.algo.dynamic_sampling else None
         self.step = 0
-        self.deferred_samples = 0
+        self.last_batch_records: list[PromptRecord] = []
 
     # ------------------------------------------------------------------ state
 
@@ -322,6 +322,7 @@ class Trainer:
             samples, idx, ds_m = self._dynamic_sampling(samples, idx, batch.epoch)
             metrics.update(ds_m)
         adv = self._advantages(samples)
+        self.last_batch_records = [self.records[i] for i in idx]
         if len(samples):
             metrics.update(self._train(samples, adv))
             metrics.update(self._reshard())
