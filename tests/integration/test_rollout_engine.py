@@ -1,0 +1,261 @@
+"""Rollout engine on real vLLM (CPU): HistoSpec is lossless, weights update in place, bad history is harmless.
+
+One `none` and one `histospec` engine serve the whole module. The model is the tiny
+Llama with head size 32 (vLLM's CPU attention has no 16) and its lm_head scaled x8,
+so that sampling at temperature 1 is peaked enough for history drafts to be accepted
+(a random model's near-uniform distribution accepts almost nothing and would make
+the distribution test vacuous).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import shutil
+
+import pytest
+
+pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slow]
+
+PROMPTS = [[5, 17, 33, 40, 99, 100], [7, 8, 9, 10, 11], [200, 201, 3, 4, 5, 6, 7], [42, 43, 44]]
+SHARPEN = 8.0
+
+
+def _write_scaled(src, dst, scale, perturb=0.0, seed=0):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    sd = load_file(str(src / "model.safetensors"))
+    sd["lm_head.weight"] = sd["lm_head.weight"] * scale
+    if perturb:
+        g = torch.Generator().manual_seed(seed)
+        sd = {k: v + perturb * torch.randn(v.shape, generator=g, dtype=v.dtype) if v.dtype.is_floating_point else v
+              for k, v in sd.items()}
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return sd
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from rhymerl.config import ModelConfig, TinyModelConfig
+    from rhymerl.models import resolve_model
+
+    base = resolve_model(ModelConfig(path="builtin:tiny", tiny=TinyModelConfig(num_attention_heads=2, num_key_value_heads=1)))
+    out = tmp_path_factory.mktemp("sharp")
+    _write_scaled(base, out, SHARPEN)
+    return out
+
+
+def _engine(model_dir, method, history=None):
+    from rhymerl.config import HistoSpecConfig, RolloutConfig
+    from rhymerl.rollout import RolloutEngine
+
+    cfg = RolloutConfig(speculative=method, max_num_seqs=64, max_model_len=256, cpu_kv_cache_gb=0.25, num_speculative_tokens=8)
+    return RolloutEngine(cfg, HistoSpecConfig(), model_dir, seed=0, history=history)
+
+
+@pytest.fixture(scope="module")
+def none_engine(model_dir):
+    e = _engine(model_dir, "none")
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hs_engine(model_dir):
+    e = _engine(model_dir, "histospec")
+    yield e
+    e.shutdown()
+
+
+def _greedy(n_tokens=32):
+    from rhymerl.rollout import SamplingSpec
+
+    return SamplingSpec(temperature=0.0, max_tokens=n_tokens)
+
+
+def test_greedy_histospec_equals_no_speculation(none_engine, hs_engine):
+    from rhymerl.histospec import HistoryStore
+    from rhymerl.config import HistoSpecConfig
+
+    hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
+    want = [r.token_ids for r in none_engine.generate(PROMPTS, 2, _greedy())]
+    ref_lp = none_engine.generate(PROMPTS[:1], 1, _greedy())[0].responses[0].logprobs
+    # Epoch 0: no history. Epoch 1: every prompt has the epoch-0 responses as history.
+    first = hs_engine.generate(PROMPTS, 2, _greedy(), epoch=0)
+    assert [r.token_ids for r in first] == want
+    second = hs_engine.generate(PROMPTS, 2, _greedy(), epoch=1)
+    m = hs_engine.metrics()
+    assert [r.token_ids for r in second] == want
+    assert m["draft_accepted"] > 0.5 * m["generated_tokens"], m
+    assert m["tokens_per_forward"] > 2.0, m
+    # Accepted drafts still report the policy's log-probabilities.
+    lp = second[0].responses[0].logprobs
+    assert len(lp) == len(want[0][0])
+    assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-3
+    assert all(r.finish_reason in ("length", "stop") for res in second for r in res.responses)
+
+
+def _chi2_sf(x: float, dof: int) -> float:
+    """Survival function of the chi-square distribution (regularised upper incomplete gamma)."""
+    a, z = dof / 2.0, x / 2.0
+    if z <= 0:
+        return 1.0
+    if z < a + 1:  # series for the lower gamma
+        term = total = 1.0 / a
+        k = a
+        while abs(term) > 1e-12 * abs(total):
+            k += 1
+            term *= z / k
+            total += term
+        return max(0.0, 1.0 - total * math.exp(-z + a * math.log(z) - math.lgamma(a)))
+    # continued fraction for the upper gamma (Lentz)
+    b, c, d = z + 1 - a, 1e300, 1.0 / (z + 1 - a)
+    h = d
+    for i in range(1, 500):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = 1e-300 if abs(d) < 1e-300 else d
+        c = b + an / c
+        c = 1e-300 if abs(c) < 1e-300 else c
+        d = 1.0 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-12:
+            break
+    return math.exp(-z + a * math.log(z) - math.lgamma(a)) * h
+
+
+def _two_sample_p(xs: list[int], ys: list[int], min_count: int = 10) -> float:
+    cx, cy = collections.Counter(xs), collections.Counter(ys)
+    cats = [t for t in set(cx) | set(cy) if cx[t] + cy[t] >= min_count]
+    rows = [(cx[t], cy[t]) for t in cats]
+    rest = (len(xs) - sum(r[0] for r in rows), len(ys) - sum(r[1] for r in rows))
+    if sum(rest) > 0:
+        rows.append(rest)
+    nx, ny = len(xs), len(ys)
+    stat = 0.0
+    for a, b in rows:
+        tot = a + b
+        ea, eb = tot * nx / (nx + ny), tot * ny / (nx + ny)
+        stat += (a - ea) ** 2 / ea + (b - eb) ** 2 / eb
+    return _chi2_sf(stat, len(rows) - 1)
+
+
+def test_chi2_helper_is_calibrated():
+    # Known quantiles: chi2(1) at 3.841 -> 0.05; chi2(10) at 23.209 -> 0.01.
+    assert abs(_chi2_sf(3.841, 1) - 0.05) < 1e-3
+    assert abs(_chi2_sf(23.209, 10) - 0.01) < 1e-3
+    assert _two_sample_p([1] * 100 + [2] * 100, [1] * 190 + [2] * 10) < 1e-6
+
+
+N_SAMPLES = 400
+MID = 8
+
+
+def test_temperature_one_distribution_matches(none_engine, hs_engine):
+    """First-token and mid-sequence token frequencies at T=1: HistoSpec vs no speculation."""
+    from rhymerl.config import HistoSpecConfig
+    from rhymerl.histospec import HistoryStore
+    from rhymerl.rollout import SamplingSpec
+    from rhymerl.rollout import vllm_patches
+
+    assert "cpu_rejection_expand" in vllm_patches.applied()
+    sp = SamplingSpec(temperature=1.0, max_tokens=MID + 4, ignore_eos=True)
+    prompt = PROMPTS[:1]
+    base = none_engine.generate(prompt, N_SAMPLES, sp)[0].token_ids
+    hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
+    hs_engine.generate(prompt, N_SAMPLES // 2, sp, epoch=0)  # fills the history with sampled responses
+    spec = hs_engine.generate(prompt, N_SAMPLES, sp, epoch=1)[0].token_ids
+    m = hs_engine.metrics()
+    # The test means something only if drafts were verified at and before MID.
+    assert m["draft_proposed"] > N_SAMPLES and m["draft_accepted"] > 0.3 * m["draft_proposed"], m
+    assert all(len(t) == MID + 4 for t in spec)
+    p_first = _two_sample_p([t[0] for t in base], [t[0] for t in spec])
+    p_mid = _two_sample_p([t[MID] for t in base], [t[MID] for t in spec])
+    p_pair = _two_sample_p([tuple(t[MID - 1:MID + 1]) for t in base], [tuple(t[MID - 1:MID + 1]) for t in spec], min_count=8)
+    assert p_first > 1e-3 and p_mid > 1e-3 and p_pair > 1e-3, (p_first, p_mid, p_pair)
+
+
+def test_empty_unknown_and_foreign_history_give_zero_drafts(hs_engine, caplog):
+    from rhymerl.config import HistoSpecConfig
+    from rhymerl.histospec import HistoryStore, prompt_key
+
+    caplog.set_level(logging.WARNING, logger="rhymerl.rollout.engine")
+    cfg = HistoSpecConfig()
+    other = HistoryStore(cfg, vocab_size=hs_engine.vocab_size)
+    other.add_group(prompt_key([1, 2, 3]), 0, [[5, 6, 7, 8, 9, 10, 11, 12] * 3])  # knows another prompt only
+    foreign = HistoryStore(cfg, vocab_size=50_000)  # written with another tokenizer (the model's is 384)
+    foreign.add_group(prompt_key(PROMPTS[1]), 0, [[40_000, 41_000, 5, 6] * 4])
+    cases = [(HistoryStore(cfg, vocab_size=hs_engine.vocab_size), "history store is empty"),
+             (other, "have no history yet"), (foreign, "differs from the model")]
+    for store, needle in cases:
+        caplog.clear()
+        hs_engine.set_history(store)
+        # The first call's responses enter the store, so the second call takes a new prompt.
+        for prompt in (PROMPTS[1], PROMPTS[2]):
+            res = hs_engine.generate([prompt], 1, _greedy(16), epoch=1)
+            assert hs_engine.metrics()["draft_proposed"] == 0, needle
+            assert len(res[0].responses[0].token_ids) == 16
+        msgs = [r.getMessage() for r in caplog.records if r.name == "rhymerl.rollout.engine"]
+        assert sum(needle in s for s in msgs) == 1, (needle, msgs)
+    assert foreign.lengths(prompt_key(PROMPTS[1])) == [[16]]  # nothing was added to the foreign store
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_greedy_baselines_equal_no_speculation(model_dir, none_engine, method):
+    import importlib.util
+
+    from rhymerl.rollout import RolloutError
+
+    if method == "suffix" and importlib.util.find_spec("arctic_inference") is None:
+        with pytest.raises(RolloutError, match="arctic-inference"):
+            _engine(model_dir, "suffix")
+        return
+    want = [r.token_ids for r in none_engine.generate(PROMPTS, 2, _greedy())]
+    e = _engine(model_dir, method)
+    try:
+        e.generate(PROMPTS, 2, _greedy(), epoch=0)
+        got = [r.token_ids for r in e.generate(PROMPTS, 2, _greedy(), epoch=1)]
+        m = e.metrics()
+    finally:
+        e.shutdown()
+    assert got == want
+    assert m["drafter_calls"] > 0, m
+    if method == "suffix":  # its cache holds the epoch-0 responses, so it drafts on epoch 1
+        assert m["draft_accepted"] > 0, m
+
+
+def test_sleep_and_wake_are_noops_on_cpu(none_engine, caplog):
+    caplog.set_level(logging.WARNING, logger="rhymerl.rollout.engine")
+    before = [r.token_ids for r in none_engine.generate(PROMPTS[:1], 1, _greedy(8))]
+    none_engine.sleep()
+    none_engine.wake_up()
+    assert [r.token_ids for r in none_engine.generate(PROMPTS[:1], 1, _greedy(8))] == before
+    assert sum("no-ops on CPU" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_load_weights_equals_fresh_engine(model_dir, none_engine, tmp_path):
+    """Perturbed weights loaded in place == an engine built from the perturbed checkpoint."""
+    import torch
+    from safetensors.torch import load_file
+
+    before = [r.token_ids for r in none_engine.generate(PROMPTS, 1, _greedy())]
+    pert_dir = tmp_path / "perturbed"
+    perturbed = _write_scaled(model_dir, pert_dir, 1.0, perturb=0.05, seed=1)
+    secs = none_engine.load_weights(perturbed.items())
+    after = [r.token_ids for r in none_engine.generate(PROMPTS, 1, _greedy())]
+    fresh = _engine(pert_dir, "none")
+    try:
+        want = [r.token_ids for r in fresh.generate(PROMPTS, 1, _greedy())]
+    finally:
+        fresh.shutdown()
+    assert after == want
+    assert after != before  # the perturbation changed the greedy outputs
+    original = load_file(str(model_dir / "model.safetensors"))
+    none_engine.load_weights((k, v.clone()) for k, v in original.items())
+    assert [r.token_ids for r in none_engine.generate(PROMPTS, 1, _greedy())] == before
+    assert secs < 5.0
+    assert torch.is_tensor(next(iter(perturbed.values())))
