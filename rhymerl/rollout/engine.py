@@ -225,6 +225,11 @@ class RolloutEngine:
         )
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gb * GiB)
+            # A partially prefilled seeded request makes vLLM 0.32 rewind its generator with
+            # Generator.set_offset, which CPU generators lack ("CPU Generator does not use
+            # offset"): prefill whole prompts on CPU so that path is never taken.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 2048)
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
