@@ -65,7 +65,7 @@ class SamplingSpec:
 @dataclass
 class Response:
     token_ids: list[int]
-    # Log-probability of each sampled token under the policy (vLLM raw logprobs).
+    # Log-probability of each sampled token under the sampled (temperature-scaled) policy.
     logprobs: Optional[list[float]]
     finish_reason: Optional[str]
     # Seconds from the start of generate() to this response's first token / last token.
@@ -222,6 +222,9 @@ class RolloutEngine:
             model=str(self.model_path), tokenizer=str(self.model_path), dtype=dtype, seed=seed,
             max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
             speculative_config=spec, disable_log_stats=True,
+            # Log-probs of the distribution actually sampled (after temperature): the one the
+            # trainer's importance ratios and the engine/trainer mismatch check are defined on.
+            logprobs_mode="processed_logprobs",
         )
         if self.on_cpu:
             kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gb * GiB)
