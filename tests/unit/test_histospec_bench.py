@@ -84,3 +84,21 @@ def test_bench_reads_trace_files(capsys, tmp_path):
     assert bench.main(["--json", "--trace", str(path), "--ablations", "none", "--no-forward-timing"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["source"] == {"trace": str(path)} and out["methods"]["histospec_chain"]["generated_tokens"] > 0
+
+
+def test_real_smollm2_trace_ordering():
+    """On a real GRPO trace of the embedded default (SmolLM2-135M, 4 epochs of chain sums,
+    written by `rhymerl train` as traces.jsonl) the drafting methods rank as designed."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, "-m", "rhymerl", "bench", "histospec", "--json", "--no-forward-timing",
+                          "--ablations", "none", "--trace", str(repo / "bench/traces/smollm2-chain-sum-grpo.jsonl")],
+                         capture_output=True, text=True, cwd=repo, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    m = {k: v["tokens_per_forward"] for k, v in json.loads(res.stdout)["methods"].items()}
+    assert m["histospec_tree"] >= m["histospec_chain"] >= m["suffix"] >= m["ngram"] >= m["none"] == 1.0, m
+    assert m["histospec_chain"] > 1.5, m
