@@ -142,6 +142,29 @@ def _install_meter(worker: Any) -> Any:
     return _DrafterMeter(drafter)
 
 
+def _retie_embeddings(worker: Any) -> bool:
+    """Point a tied lm_head back at the embedding after an in-place reload.
+
+    vLLM 0.32's layerwise reload finds no checkpoint tensor for a tied ``lm_head`` (the HF
+    checkpoint has only ``embed_tokens``) and puts the layer's *old* kernel tensors back
+    (on CPU its packed GEMM kernel): the engine would keep sampling from the initial
+    output layer.
+    Seen on vLLM 0.32 (CPU); harmless where the tie survived.
+    """
+    model = _runner_of(worker).model
+    model = getattr(model, "model", model) if not hasattr(model, "lm_head") else model
+    inner = getattr(model, "model", None)
+    cfg = getattr(model, "config", None)
+    if not (hasattr(model, "lm_head") and inner is not None and hasattr(inner, "embed_tokens")
+            and getattr(cfg, "tie_word_embeddings", False)):
+        return False
+    head = model.lm_head.tie_weights(inner.embed_tokens)
+    # On CPU the output GEMM runs from a kernel packed from the weight at load time: repack.
+    head.quant_method.process_weights_after_loading(head)
+    model.lm_head = head
+    return True
+
+
 def _drafter_of(worker: Any) -> Any:
     return getattr(_runner_of(worker), "drafter", None)
 
@@ -422,6 +445,7 @@ class RolloutEngine:
         """
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.collective_rpc(_retie_embeddings)
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
