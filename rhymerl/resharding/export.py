@@ -14,7 +14,7 @@ import shutil
 import sys
 from pathlib import Path
 
-META = "rhymerl_backend.json"
+from rhymerl.training.backend_checkpoint import BACKEND_META as META
 
 
 class ExportError(ValueError):

@@ -9,8 +9,6 @@ whatever the number of micro-batches.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -19,7 +17,8 @@ import torch.distributed as dist
 
 from rhymerl.config import AlgorithmConfig, ParallelConfig
 from rhymerl.training.base import PolicyBatch, StepMetrics
-from rhymerl.training.megatron_backend import BACKEND_META, DTYPES, HF_SIDE_FILES, combine_metrics
+from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
+from rhymerl.training.megatron_backend import DTYPES, combine_metrics
 from rhymerl.training.microbatch import plan_micro_batches, rank_slice, split_micro
 from rhymerl.training.process_groups import ProcessGroups
 
@@ -171,40 +170,14 @@ class DeepSpeedBackend:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, folder: Path) -> None:
-        folder = Path(folder)
-        tmp = folder.parent / f".{folder.name}.tmp"
-        rank0 = dist.get_rank() == 0
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        self.engine.save_checkpoint(str(tmp), tag="state")
-        dist.barrier()
-        if rank0:
-            from rhymerl.atomic import atomic_write_text, fsync_tree
-
-            hf = tmp / "hf_config"
-            hf.mkdir()
-            for name in HF_SIDE_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, hf / name)
-            meta = {"kind": "deepspeed", "steps": self.steps, "dtype": self.dtype_name,
-                    "zero_stage": self.parallel_cfg.zero_stage, "data_parallel": self.groups.dp_size}
-            atomic_write_text(tmp / BACKEND_META, json.dumps(meta, indent=2))
-            fsync_tree(tmp)
-            if folder.exists():
-                shutil.rmtree(folder)
-            tmp.rename(folder)
-        dist.barrier()
+        meta = {"kind": "deepspeed", "steps": self.steps, "dtype": self.dtype_name,
+                "zero_stage": self.parallel_cfg.zero_stage, "data_parallel": self.groups.dp_size}
+        save_backend_checkpoint(folder, self.model_path, meta,
+                                lambda tmp: self.engine.save_checkpoint(str(tmp), tag="state"))
 
     def load_checkpoint(self, folder: Path, load_optimizer: bool = True) -> None:
         folder = Path(folder)
-        meta_file = folder / BACKEND_META
-        if not meta_file.is_file():
-            raise FileNotFoundError(f"checkpoint {folder} has no {BACKEND_META}: not a RhymeRL backend checkpoint")
-        meta = json.loads(meta_file.read_text())
-        if meta.get("kind") != "deepspeed":
-            raise ValueError(f"checkpoint {folder} was written by the {meta.get('kind')} backend, not deepspeed")
+        meta = read_backend_meta(folder, "deepspeed")
         path, _ = self.engine.load_checkpoint(str(folder), tag="state", load_optimizer_states=load_optimizer,
                                               load_lr_scheduler_states=load_optimizer)
         if path is None:

@@ -11,7 +11,6 @@ megatron's DDP wrapper and stepped by megatron's optimizer.
 from __future__ import annotations
 
 import json
-import shutil
 from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -22,15 +21,12 @@ import torch.distributed as dist
 from rhymerl.config import AlgorithmConfig, ParallelConfig
 from rhymerl.resharding.exporter import HFExportStats, export_hf_buckets
 from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_hf
+from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.microbatch import plan_micro_batches, rank_slice, split_micro
 from rhymerl.training.process_groups import ProcessGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKEND_META = "rhymerl_backend.json"
-# Files copied next to the weights so a checkpoint can be exported without the original folder.
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 LossFn = Callable[..., tuple[torch.Tensor, dict]]
 
@@ -375,41 +371,17 @@ class MegatronBackend:
     def save_checkpoint(self, folder: Path) -> None:
         from megatron.core import dist_checkpointing
 
-        folder = Path(folder)
-        tmp = folder.parent / f".{folder.name}.tmp"
-        rank0 = dist.get_rank() == 0
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        dist.barrier()
-        dist_checkpointing.save(self._sharded_state(False, True), str(tmp))
-        dist.barrier()
-        if rank0:
-            from rhymerl.atomic import atomic_write_text, fsync_tree
-
-            meta = {"kind": "megatron", "steps": self.steps, "dtype": self.dtype_name,
-                    "tensor_parallel": self.groups.tp_size, "pipeline_parallel": self.groups.pp_size,
-                    "data_parallel": self.groups.dp_size, "has_optimizer": self.optimizer is not None}
-            hf = tmp / "hf_config"
-            hf.mkdir()
-            for name in HF_SIDE_FILES:
-                if (self.model_path / name).is_file():
-                    shutil.copy2(self.model_path / name, hf / name)
-            atomic_write_text(tmp / BACKEND_META, json.dumps(meta, indent=2))
-            fsync_tree(tmp)
-            if folder.exists():
-                shutil.rmtree(folder)
-            tmp.rename(folder)
-        dist.barrier()
+        meta = {"kind": "megatron", "steps": self.steps, "dtype": self.dtype_name,
+                "tensor_parallel": self.groups.tp_size, "pipeline_parallel": self.groups.pp_size,
+                "data_parallel": self.groups.dp_size, "has_optimizer": self.optimizer is not None}
+        save_backend_checkpoint(folder, self.model_path, meta,
+                                lambda tmp: dist_checkpointing.save(self._sharded_state(False, True), str(tmp)))
 
     def load_checkpoint(self, folder: Path, load_optimizer: bool = True) -> None:
         from megatron.core import dist_checkpointing
 
         folder = Path(folder)
-        meta_file = folder / BACKEND_META
-        if not meta_file.is_file():
-            raise FileNotFoundError(f"checkpoint {folder} has no {BACKEND_META}: not a Megatron backend checkpoint")
-        meta = json.loads(meta_file.read_text())
+        meta = read_backend_meta(folder, "megatron")
         with_opt = load_optimizer and self.optimizer is not None and meta.get("has_optimizer", False)
         state = dist_checkpointing.load(self._sharded_state(True, with_opt), str(folder))
         self.module.load_state_dict(state["model"])

@@ -1,0 +1,57 @@
+"""The folder protocol both backends' checkpoints share (collective, atomic, self-contained).
+
+Every rank writes its state into ``.<name>.tmp`` next to ``folder``; rank 0 then adds the
+HF side files (so the checkpoint exports without the original model folder) and
+``rhymerl_backend.json``, fsyncs, and renames the temp folder into place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+BACKEND_META = "rhymerl_backend.json"
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def save_backend_checkpoint(folder: Path, model_path: Path, meta: dict, write_state: Callable[[Path], None]) -> None:
+    """Collective: ``write_state(tmp)`` runs on every rank, then rank 0 finalises ``folder``."""
+    from rhymerl.atomic import atomic_write_text, fsync_tree
+
+    folder = Path(folder)
+    tmp = folder.parent / f".{folder.name}.tmp"
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    write_state(tmp)
+    dist.barrier()
+    if rank0:
+        hf = tmp / "hf_config"
+        hf.mkdir()
+        for name in HF_SIDE_FILES:
+            if (Path(model_path) / name).is_file():
+                shutil.copy2(Path(model_path) / name, hf / name)
+        atomic_write_text(tmp / BACKEND_META, json.dumps(meta, indent=2))
+        fsync_tree(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    dist.barrier()
+
+
+def read_backend_meta(folder: Path, kind: str) -> dict:
+    """The checkpoint's metadata; refuses a folder that is not a ``kind`` backend checkpoint."""
+    meta_file = Path(folder) / BACKEND_META
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"checkpoint {folder} has no {BACKEND_META}: not a RhymeRL backend checkpoint")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("kind") != kind:
+        raise ValueError(f"checkpoint {folder} was written by the {meta.get('kind')} backend, not {kind}")
+    return meta
