@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from rhymerl.atomic import atomic_write_text
+from rhymerl.jsonl import iter_jsonl
 
 
 class TraceError(ValueError):
@@ -53,34 +54,27 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
     if not path.is_file():
         raise TraceError(f"trace file {path} does not exist")
     out = []
-    with path.open() as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TraceError(f"{path}:{i}: not valid JSON ({e})") from None
-            if not isinstance(d, dict):
-                raise TraceError(f"{path}:{i}: each line must be a JSON object")
-            for key in ("prompt_id", "epoch", "sample_idx", "token_ids"):
-                if key not in d:
-                    raise TraceError(f"{path}:{i}: missing {key!r}")
-            if not isinstance(d["epoch"], int) or not isinstance(d["sample_idx"], int):
-                raise TraceError(f"{path}:{i}: epoch and sample_idx must be integers")
-            rec = TraceRecord(
-                prompt_id=str(d["prompt_id"]),
-                epoch=d["epoch"],
-                sample_idx=d["sample_idx"],
-                token_ids=_int_list(d["token_ids"], str(path), i, "token_ids"),
-                logprobs=d.get("logprobs"),
-                reward=d.get("reward"),
-                prompt_token_ids=_int_list(d["prompt_token_ids"], str(path), i, "prompt_token_ids")
-                if d.get("prompt_token_ids") is not None else None,
-            )
-            if rec.logprobs is not None and len(rec.logprobs) != len(rec.token_ids):
-                raise TraceError(f"{path}:{i}: logprobs has {len(rec.logprobs)} entries for {len(rec.token_ids)} tokens")
-            out.append(rec)
+    for i, d in iter_jsonl(path, TraceError):
+        if not isinstance(d, dict):
+            raise TraceError(f"{path}:{i}: each line must be a JSON object")
+        for key in ("prompt_id", "epoch", "sample_idx", "token_ids"):
+            if key not in d:
+                raise TraceError(f"{path}:{i}: missing {key!r}")
+        if not isinstance(d["epoch"], int) or not isinstance(d["sample_idx"], int):
+            raise TraceError(f"{path}:{i}: epoch and sample_idx must be integers")
+        rec = TraceRecord(
+            prompt_id=str(d["prompt_id"]),
+            epoch=d["epoch"],
+            sample_idx=d["sample_idx"],
+            token_ids=_int_list(d["token_ids"], str(path), i, "token_ids"),
+            logprobs=d.get("logprobs"),
+            reward=d.get("reward"),
+            prompt_token_ids=_int_list(d["prompt_token_ids"], str(path), i, "prompt_token_ids")
+            if d.get("prompt_token_ids") is not None else None,
+        )
+        if rec.logprobs is not None and len(rec.logprobs) != len(rec.token_ids):
+            raise TraceError(f"{path}:{i}: logprobs has {len(rec.logprobs)} entries for {len(rec.token_ids)} tokens")
+        out.append(rec)
     if not out:
         raise TraceError(f"trace file {path} is empty")
     return out

@@ -14,12 +14,12 @@ Sources:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from rhymerl.config import DataConfig
+from rhymerl.jsonl import iter_jsonl
 
 
 class DatasetError(ValueError):
@@ -67,17 +67,7 @@ def _check_row(row: Any, where: str, default_id: str) -> PromptRecord:
 
 
 def load_jsonl(path: Path) -> list[PromptRecord]:
-    out = []
-    with path.open() as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            out.append(_check_row(row, f"{path}:{i}", f"{path.stem}:{i}"))
-    return out
+    return [_check_row(row, f"{path}:{i}", f"{path.stem}:{i}") for i, row in iter_jsonl(path, DatasetError)]
 
 
 def load_parquet(path: Path) -> list[PromptRecord]:
