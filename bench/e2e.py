@@ -44,13 +44,14 @@ def _run_variant(base_cfg, groups, on: bool, epochs: int, run_dir: Path) -> dict
                   f"step {m['time/step_s']:.2f}s rollout {m.get('time/rollout_s', 0):.2f}s "
                   f"train {m.get('time/train_s', 0):.2f}s reward {m['reward/mean']:.3f} "
                   f"tok/fwd {rows[-1]['tokens_per_forward']:.2f}", file=sys.stderr)
-    finally:
+    except BaseException:
         trainer.close()
+        raise
     late = [r for r in rows if r["epoch"] >= 1] or rows
     mean = lambda k: sum(r[k] for r in late) / len(late)  # noqa: E731
     return {"step_s": mean("step_s"), "phases": {p: mean(p) for p in PHASES},
             "tokens_per_forward": mean("tokens_per_forward"), "reward_mean": mean("reward"),
-            "steps_measured": len(late), "per_step": rows}
+            "steps_measured": len(late), "per_step": rows}, trainer
 
 
 def main(argv: list[str]) -> int:
@@ -70,8 +71,17 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     groups = init_process_groups(cfg.parallel, 1, 0)
     t0 = time.time()
-    off = _run_variant(cfg, groups, False, args.epochs, Path(args.out) / "off")
-    on = _run_variant(cfg, groups, True, args.epochs, Path(args.out) / "on")
+    # Both trainers stay alive until the end: shutting down the last live vLLM engine tears
+    # down the process-wide torch.distributed state the next trainer's Megatron needs.
+    trainers = []
+    try:
+        off, t = _run_variant(cfg, groups, False, args.epochs, Path(args.out) / "off")
+        trainers.append(t)
+        on, t = _run_variant(cfg, groups, True, args.epochs, Path(args.out) / "on")
+        trainers.append(t)
+    finally:
+        for t in reversed(trainers):
+            t.close()
     speedup = off["step_s"] / on["step_s"] if on["step_s"] > 0 else 0.0
     print(f"\n{'phase':<10}{'off (s)':>10}{'on (s)':>10}{'ratio':>8}", file=sys.stderr)
     for p in ("step",) + PHASES:
