@@ -103,7 +103,7 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
         check_compatible(loaded.config, to_dict(cfg))
 
     preempt = PreemptionHandler()
-    trainer = Trainer(cfg, comm, groups, stop_requested=lambda: preempt.requested)
+    trainer = Trainer(cfg, comm, groups)
     run_id = None
     if loaded is not None:
         trainer.load_state_blobs({**loaded.state["trainer"], "history": loaded.state["history"]})
@@ -130,7 +130,9 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
 
     exit_code = 0
     try:
-        while trainer.step < total:
+        # run.max_steps bounds the steps; otherwise run.epochs bounds the data (DAPO's dynamic
+        # sampling draws extra batches, so a step count would overrun the epochs).
+        while (trainer.step < cfg.run.max_steps) if cfg.run.max_steps else (trainer.sampler.next_epoch < cfg.run.epochs):
             out = trainer.train_step()
             tracker.log(out.step, out.metrics)
             tracker.log_lengths(out.step, [len(s.token_ids) for s in out.samples])
@@ -139,7 +141,8 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
             metrics_file.append(out.step, [_plain_metrics(out.metrics)])
             traces_file.append(out.step, _trace_rows(trainer, out))
             stop = comm.any_true(preempt.requested)
-            if stop or ckpt.should_save(trainer.step) or trainer.step == total:
+            last = trainer.step == cfg.run.max_steps if cfg.run.max_steps else trainer.sampler.next_epoch >= cfg.run.epochs
+            if stop or ckpt.should_save(trainer.step) or last:
                 save()
             if stop:
                 tracker.finish()

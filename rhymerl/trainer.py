@@ -12,13 +12,12 @@ the training backend into every engine.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,7 +64,7 @@ def request_seed(run_seed: int, step: int, instance: int, offset: int) -> int:
 class Trainer:
     """Holds the run's components; ``run()`` executes steps until the budget is spent."""
 
-    def __init__(self, cfg: RunConfig, comm: WorldComm, groups: Any, *, stop_requested: Callable[[], bool] = lambda: False):
+    def __init__(self, cfg: RunConfig, comm: WorldComm, groups: Any):
         from transformers import AutoTokenizer
 
         from rhymerl.config import validate
@@ -79,7 +78,6 @@ class Trainer:
         self.cfg = cfg
         self.comm = comm
         self.groups = groups
-        self.stop_requested = stop_requested
         self.run_dir = Path(cfg.run.output_dir)
         self.model_path = resolve_model(cfg.model) if comm.rank == 0 else None
         comm.barrier()
@@ -152,7 +150,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
 
-    def _rollout(self, batch_indices: list[int], epoch: int) -> tuple[list[Sample], dict, dict]:
+    def _rollout(self, batch_indices: list[int], epoch: int) -> tuple[list[Sample], dict]:
         """Plan and generate this step's responses on every instance; returns all samples (every rank)."""
         from rhymerl.histopipe import PromptGroup
         from rhymerl.rollout import SamplingSpec
@@ -208,7 +206,7 @@ class Trainer:
         }
         for g in actual:
             self.predictor.observe(self.prompt_keys[batch_indices[g]], actual[g])
-        return samples, metrics, {"plan": plan}
+        return samples, metrics
 
     def _record_history(self, samples: list[Sample], batch_indices: list[int], epoch: int) -> None:
         """Every rank adds every group of the step (all instances' responses, with rewards),
@@ -312,7 +310,7 @@ class Trainer:
         t_step = time.perf_counter()
         batch = self.sampler.next_batch()
         idx = batch.indices
-        samples, metrics, _ = self._rollout(idx, batch.epoch)
+        samples, metrics = self._rollout(idx, batch.epoch)
         metrics.update(self._score(samples, idx))
         self._record_history(samples, idx, batch.epoch)
         rewards = np.array([s.reward for s in samples])
@@ -364,7 +362,7 @@ class Trainer:
         add(samples, idx)
         while not buf.ready:
             nb = self.sampler.next_batch()
-            ss, _, _ = self._rollout(nb.indices, nb.epoch)
+            ss, _ = self._rollout(nb.indices, nb.epoch)
             self._score(ss, nb.indices)
             self._record_history(ss, nb.indices, nb.epoch)
             add(ss, nb.indices)

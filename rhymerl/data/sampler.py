@@ -43,6 +43,11 @@ class EpochSampler:
         rng = np.random.default_rng([self.seed, epoch])
         return rng.permutation(self.num_items).tolist()
 
+    @property
+    def next_epoch(self) -> int:
+        """The epoch the next batch belongs to."""
+        return self.epoch + 1 if self.position >= self.steps_per_epoch else self.epoch
+
     def next_batch(self) -> Batch:
         if self.position >= self.steps_per_epoch:
             self.epoch += 1

@@ -63,3 +63,13 @@ def test_sampler_revisits_and_resumes_exactly():
     assert [u.next_batch().indices for _ in range(4)] == ref_batches[2:]
     with pytest.raises(ValueError, match="batch_size"):
         EpochSampler(10, 5, seed=1).load_state_dict(state)
+
+
+def test_sampler_next_epoch():
+    s = EpochSampler(6, 3, seed=0)
+    assert s.next_epoch == 0
+    s.next_batch()
+    assert s.next_epoch == 0
+    s.next_batch()
+    assert s.next_epoch == 1
+    assert s.next_batch().epoch == 1
