@@ -19,7 +19,7 @@ from rhymerl.config import AlgorithmConfig, ParallelConfig
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
 from rhymerl.training.megatron_backend import DTYPES, combine_metrics
-from rhymerl.training.microbatch import plan_micro_batches, rank_slice, split_micro
+from rhymerl.training.microbatch import plan_micro_batches, policy_micro_batches, rank_slice, split_micro
 from rhymerl.training.process_groups import ProcessGroups
 
 
@@ -110,18 +110,12 @@ class DeepSpeedBackend:
         else:
             loss_fn = self._loss_fn
         g = self.groups
-        B, T = batch.input_ids.shape
-        plan = plan_micro_batches(B, T, g.dp_size, self.algo_cfg.micro_batch_tokens)
-        fields = {"input_ids": batch.input_ids.long(), "mask": batch.response_mask.float(),
-                  "advantages": batch.advantages.float(), "old": batch.old_logprobs.float()}
-        if batch.ref_logprobs is not None:
-            fields["ref"] = batch.ref_logprobs.float()
-        split = {k: split_micro(rank_slice(v, plan, g.dp_rank), plan) for k, v in fields.items()}
+        B = batch.input_ids.shape[0]
+        plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens)
         num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
         self.engine.train()
         per_micro, loss_total = [], 0.0
-        for i in range(plan.num_micro):
-            mb = {k: split[k][i] for k in split}
+        for i, mb in enumerate(micro):
             lp = self._forward_lp(mb["input_ids"])
             dev = lp.device
             loss, metrics = loss_fn(lp, mb["old"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),

@@ -23,7 +23,7 @@ from rhymerl.resharding.exporter import HFExportStats, export_hf_buckets
 from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_hf
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
 from rhymerl.training.base import PolicyBatch, StepMetrics
-from rhymerl.training.microbatch import plan_micro_batches, rank_slice, split_micro
+from rhymerl.training.microbatch import plan_micro_batches, policy_micro_batches, rank_slice, split_micro
 from rhymerl.training.process_groups import ProcessGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -304,14 +304,8 @@ class MegatronBackend:
         if self.optimizer is None:
             raise RuntimeError("this backend was built with train=False")
         g = self.groups
-        B, T = batch.input_ids.shape
-        plan = plan_micro_batches(B, T, g.dp_size, self.algo_cfg.micro_batch_tokens)
-        fields = {"input_ids": batch.input_ids.long(), "mask": batch.response_mask.float(),
-                  "advantages": batch.advantages.float(), "old": batch.old_logprobs.float()}
-        if batch.ref_logprobs is not None:
-            fields["ref"] = batch.ref_logprobs.float()
-        split = {k: split_micro(rank_slice(v, plan, g.dp_rank), plan) for k, v in fields.items()}
-        micro = [{k: split[k][i] for k in split} for i in range(plan.num_micro)]
+        B = batch.input_ids.shape[0]
+        plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens)
         num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
         loss_fn = self._policy_loss()
         # The schedule divides each micro-batch loss by their number and megatron's DDP averages

@@ -43,3 +43,16 @@ def rank_slice(t: torch.Tensor, plan: MicroBatchPlan, dp_rank: int, value=0) -> 
 
 def split_micro(t: torch.Tensor, plan: MicroBatchPlan) -> list[torch.Tensor]:
     return list(t.split(plan.rows_per_micro, dim=0))
+
+
+def policy_micro_batches(batch, dp_size: int, dp_rank: int, micro_batch_tokens: int) -> tuple[MicroBatchPlan, list[dict]]:
+    """This DP rank's micro-batches of a ``PolicyBatch`` as dicts of input_ids / mask /
+    advantages / old (and ref when the batch has reference log-probs)."""
+    B, T = batch.input_ids.shape
+    plan = plan_micro_batches(B, T, dp_size, micro_batch_tokens)
+    fields = {"input_ids": batch.input_ids.long(), "mask": batch.response_mask.float(),
+              "advantages": batch.advantages.float(), "old": batch.old_logprobs.float()}
+    if batch.ref_logprobs is not None:
+        fields["ref"] = batch.ref_logprobs.float()
+    split = {k: split_micro(rank_slice(v, plan, dp_rank), plan) for k, v in fields.items()}
+    return plan, [{k: split[k][i] for k in split} for i in range(plan.num_micro)]
