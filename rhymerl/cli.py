@@ -1,4 +1,4 @@
-"""`python -m rhymerl train|bench|simulate|export|slurm ...`.
+"""`python -m rhymerl train|bench|simulate|export|report|slurm ...`.
 
 Subcommands are imported lazily so `--help` and config errors answer in milliseconds
 without importing torch or vLLM.
@@ -58,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="checkpoint folder (or run folder: its latest)")
     e.add_argument("--hf", required=True, help="output HF folder")
 
+    r = sub.add_parser("report", help="PNG figures and an HTML page of a run from its metrics.jsonl",
+                       description="Write PNG figures and index.html for a run folder.")
+    r.add_argument("run_dir", help="a run's output_dir (holds metrics.jsonl)")
+    r.add_argument("--out", help="output folder (default: RUN_DIR/report)")
+
     sl = sub.add_parser("slurm", help="render or submit an sbatch script for a config",
                         description="Render (print) or submit the sbatch script for a run config.")
     sl.add_argument("action", choices=["render", "submit"])
@@ -88,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(SIMULATIONS[args.name], args.args, f"simulate {args.name}")
     if args.cmd == "export":
         return _dispatch(("rhymerl.resharding.export", "main", ""), [args.checkpoint, "--hf", args.hf], "export")
+    if args.cmd == "report":
+        return _dispatch(("rhymerl.report", "main", ""), [args.run_dir] + (["--out", args.out] if args.out else []), "report")
     if args.cmd == "slurm":
         rest = [args.action, args.config, *args.overrides] + (["--dry-run"] if args.dry_run else [])
         return _dispatch(("launch.slurm", "main", ""), rest, "slurm")
