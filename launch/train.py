@@ -167,6 +167,13 @@ def run_from_config(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"rhymerl: config error: {e}", file=sys.stderr)
         return 2
+    from rhymerl.versions import VersionMismatch, check_runtime_versions
+
+    try:
+        check_runtime_versions()
+    except VersionMismatch as e:
+        print(f"rhymerl: {e}", file=sys.stderr)
+        return 2
     rank, world_size, _ = launcher_env()
     t0 = time.time()
     rc = run(cfg, rank, world_size)
