@@ -202,6 +202,12 @@ class RewardConfig:
     timeout_s: float = 5.0
     # forkserver preloads the verifiers once, so a worker replaced after a timeout is ready in ms.
     start_method: Literal["forkserver", "spawn"] = "forkserver"
+    # A step whose fraction of failed items (scorer exceptions, timeouts, dead workers) is
+    # above this aborts the run: a broken verifier would otherwise train on all-zero rewards.
+    max_error_rate: float = 0.5
+    # "package.module:callable" scoring every item instead of the built-in scorers:
+    # (RewardItem) -> float | RewardResult, run in the same timeout-guarded workers.
+    function: str = ""
 
 
 @dataclass
@@ -496,9 +502,20 @@ def check_static(cfg: RunConfig) -> None:
     _require(d.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
     _require(cfg.reward.workers >= 0, "reward.workers", "must be >= 0 (0 = score in-process)")
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    _check_reward(cfg.reward)
     _require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _require(cfg.run.epochs >= 1, "run.epochs", "must be >= 1")
     _require(cfg.slurm.nodes >= 1, "slurm.nodes", "must be >= 1")
+
+
+def _check_reward(rw: RewardConfig) -> None:
+    _require(0 <= rw.max_error_rate <= 1, "reward.max_error_rate", "must be in [0, 1] (1 = never abort)")
+    if rw.function:
+        module, sep, attr = rw.function.partition(":")
+        _require(bool(sep and module and attr), "reward.function",
+                 f"{rw.function!r} is not of the form 'package.module:callable'")
+        _require(rw.kind == "auto", "reward.kind",
+                 f"is {rw.kind!r} but reward.function scores every item; leave reward.kind at 'auto'")
 
 
 @dataclass

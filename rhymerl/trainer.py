@@ -113,13 +113,30 @@ class Trainer:
                                              seed=cfg.run.seed, temperature=temp, train=False)
         self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + comm.rank,
                                     history=self.history, dtype=cfg.model.dtype)
-        self.rewards = RewardPool(cfg.reward, start_method=cfg.reward.start_method) if comm.rank == 0 else None
+        self.rewards = self._start_rewards(RewardPool)
         from rhymerl.algorithms import DynamicSamplingBuffer
 
         self.ds_buffer = DynamicSamplingBuffer.from_config(cfg.algo, cfg.data.prompts_per_step) \
             if cfg.algo.dynamic_sampling else None
         self.step = 0
         self.last_batch_records: list[PromptRecord] = []
+
+    def _start_rewards(self, pool_cls):
+        """Rank 0's reward pool, its workers started (scorer imports checked) before the first
+        step; a scorer that cannot load stops every rank with rank 0's message."""
+        from rhymerl.rewards.pool import RewardSetupError
+
+        pool, err = None, None
+        if self.comm.rank == 0:
+            try:
+                pool = pool_cls(self.cfg.reward, start_method=self.cfg.reward.start_method)
+                pool.wait_ready()
+            except RewardSetupError as e:
+                err = str(e)
+        err = self.comm.broadcast_object(err)
+        if err is not None:
+            raise RewardSetupError(err)
+        return pool
 
     # ------------------------------------------------------------------ state
 
@@ -221,6 +238,7 @@ class Trainer:
 
     def _score(self, samples: list[Sample], batch_indices: list[int]) -> dict:
         from rhymerl.rewards import RewardItem
+        from rhymerl.rewards.pool import RewardErrorRate, check_error_rate
 
         t0 = time.perf_counter()
         if self.comm.rank == 0:
@@ -232,9 +250,15 @@ class Trainer:
                                         metadata=rec.metadata.get("entry", {}).get("metadata", rec.metadata)))
             results = self.rewards.score(items)
             scored = [(r.score, r.correct, r.error is not None, r.timed_out) for r in results]
+            try:
+                check_error_rate(results, self.cfg.reward.max_error_rate)
+            except RewardErrorRate as e:
+                scored = str(e)
         else:
             scored = None
         scored = self.comm.broadcast_object(scored)
+        if isinstance(scored, str):  # every rank stops with rank 0's reason
+            raise RewardErrorRate(scored)
         for s, (score, correct, err, to) in zip(samples, scored):
             s.reward, s.correct, s.reward_error, s.reward_timeout = float(score), bool(correct), err, to
         return {"time/reward_s": time.perf_counter() - t0,
