@@ -7,9 +7,10 @@ tokenizer) that transformers, vLLM and the Megatron backend all load from.
 from rhymerl.models.registry import (
     SUPPORTED_ARCHITECTURES,
     ModelError,
+    check_backend_support,
     model_shape,
     resolve_model,
     validate_model_folder,
 )
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelError", "model_shape", "resolve_model", "validate_model_folder"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelError", "check_backend_support", "model_shape", "resolve_model", "validate_model_folder"]

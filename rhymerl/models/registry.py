@@ -79,6 +79,23 @@ def model_shape(folder: Path) -> ModelShape:
     )
 
 
+def check_backend_support(folder: Path, backend: str) -> None:
+    """Refuse, before any data is loaded, a model the chosen training backend cannot build.
+
+    DeepSpeed trains any supported HF architecture; the Megatron backend builds Llama/Qwen2-shaped
+    decoders only (no qk-norm, default RoPE, SiLU), and says which setting to change.
+    """
+    if backend != "megatron":
+        return
+    from rhymerl.resharding.layout import LayoutError, ModelLayout
+
+    cfg_file = Path(folder) / "config.json"
+    try:
+        ModelLayout.from_hf_config(validate_model_folder(folder), where=str(cfg_file))
+    except LayoutError as e:
+        raise ModelError(f"model.path: {e}; parallel.backend=deepspeed trains it") from None
+
+
 def _tiny_key(tiny: TinyModelConfig, dtype: str) -> str:
     blob = json.dumps({**asdict(tiny), "dtype": dtype, "v": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
