@@ -526,6 +526,8 @@ def report_ignored(cfg: RunConfig, given: set[str]) -> list[str]:
 
 
 def to_dict(cfg: Any) -> dict:
+    """Plain data of a config, for YAML, checkpoints and W&B: secrets in ``slurm.setup`` are
+    redacted (the sbatch script is rendered from the config object itself)."""
     def conv(v):
         if isinstance(v, tuple):
             return list(v)
@@ -535,7 +537,24 @@ def to_dict(cfg: Any) -> dict:
             return {k: conv(x) for k, x in v.items()}
         return v
 
-    return conv(dataclasses.asdict(cfg))
+    out = conv(dataclasses.asdict(cfg))
+    if isinstance(out.get("slurm"), dict) and out["slurm"].get("setup"):
+        out["slurm"]["setup"] = [redact_secrets(line) for line in out["slurm"]["setup"]]
+    return out
+
+
+# NAME=value where NAME looks like a credential (WANDB_API_KEY, HF_TOKEN, DB_PASSWORD...),
+# and `wandb login KEY`.
+_SECRET_ASSIGN = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|AUTH)"
+                            r"[A-Za-z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)", re.IGNORECASE)
+_WANDB_LOGIN = re.compile(r"(\bwandb\s+login(?:\s+--\S+)*\s+)([^\s-]\S*)")
+REDACTED = "<redacted>"
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` (shell lines) with credential values replaced by ``<redacted>``."""
+    text = _SECRET_ASSIGN.sub(lambda m: f"{m.group(1)}={REDACTED}", text)
+    return _WANDB_LOGIN.sub(lambda m: m.group(1) + REDACTED, text)
 
 
 def to_yaml(cfg: Any) -> str:

@@ -161,3 +161,38 @@ def test_docs_name_only_config_files_that_exist():
         for name in re.findall(r"configs/[\w.\-]+\.yaml", (REPO / doc).read_text()):
             if name != "configs/my-run.yaml":  # the placeholder for a user's own config
                 assert (REPO / name).is_file(), f"{doc} names {name}, which does not exist"
+
+
+SETUP = ["module load cuda/12.4", "export WANDB_API_KEY=0123abcd", "export HF_TOKEN='hf_x y'", "wandb login 9f9f9f"]
+
+
+def test_setup_secrets_are_redacted_in_what_is_saved_or_logged():
+    from rhymerl.config import load_config, to_dict, to_yaml
+
+    cfg = load_config(None, [f"slurm.setup={SETUP}"])
+    assert cfg.slurm.setup == SETUP  # the script that runs needs them
+    # to_dict is what checkpoints, the W&B config and --print-config hold.
+    saved = to_dict(cfg)["slurm"]["setup"]
+    assert saved == ["module load cuda/12.4", "export WANDB_API_KEY=<redacted>", "export HF_TOKEN=<redacted>",
+                     "wandb login <redacted>"]
+    for secret in ("0123abcd", "hf_x", "9f9f9f"):
+        assert secret not in to_yaml(cfg)
+
+
+def test_submitted_script_keeps_secrets_and_saved_copy_does_not(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/args\ncat > {tmp_path}/stdin\necho 4242\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "sec"}, "slurm": {"log_dir": str(tmp_path / "logs"), "setup": SETUP}}))
+    monkeypatch.chdir(tmp_path)
+    assert sl.main(["submit", str(cfg)]) == 0
+    assert capsys.readouterr().out.strip() == "4242"
+    submitted = (tmp_path / "stdin").read_text()
+    assert "export WANDB_API_KEY=0123abcd" in submitted and "wandb login 9f9f9f" in submitted
+    (saved,) = (tmp_path / "logs" / "scripts").iterdir()
+    text = saved.read_text()
+    assert "export WANDB_API_KEY=<redacted>" in text and "0123abcd" not in text and "9f9f9f" not in text
+    assert text.replace("<redacted>", "") == submitted.replace("0123abcd", "").replace("'hf_x y'", "").replace("9f9f9f", "")
