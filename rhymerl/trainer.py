@@ -71,7 +71,7 @@ class Trainer:
         from rhymerl.config import validate
         from rhymerl.histopipe import HistoPipePlanner, LengthPredictor, NoopPlanner
         from rhymerl.histospec import HistoryStore
-        from rhymerl.models import check_backend_support, model_shape, resolve_model
+        from rhymerl.models import check_model_use, model_shape, resolve_model
         from rhymerl.rewards import RewardPool
         from rhymerl.rollout import RolloutEngine
         from rhymerl.training import build_backend
@@ -85,7 +85,7 @@ class Trainer:
         if self.model_path is None:
             self.model_path = resolve_model(cfg.model)
         self.dp_size = validate(cfg, model_shape(self.model_path), world_size=comm.world_size)
-        check_backend_support(self.model_path, cfg.parallel.backend)
+        check_model_use(self.model_path, cfg.parallel.backend, cfg.data.chat_template)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.records: list[PromptRecord] = load_records(cfg.data)
