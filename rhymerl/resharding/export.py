@@ -147,6 +147,6 @@ def main(argv: list[str]) -> int:
         out = export_checkpoint(ckpt, Path(args.hf))
     except (ExportError, FileNotFoundError) as e:
         print(f"rhymerl export: {e}", file=sys.stderr)
-        return 2
+        return 5  # the checkpoint kind of user error (rhymerl.user_errors)
     print(f"rhymerl export: wrote {out} from {_step_of_backend(ckpt)} ({ckpt})", file=sys.stderr)
     return 0
