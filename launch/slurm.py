@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig, load_config
+from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig, load_config, redact_secrets
 
 DEFAULT_ENTRY = ("-m", "launch.rank_main")
 # Below Linux's default ephemeral range (32768-60999), so an outgoing connection of
@@ -228,10 +228,12 @@ def write_script(text: str, log_dir: Path, job_name: str) -> Path:
     return path
 
 
-def sbatch(script: Path) -> str:
-    """Submit; returns the job id. Raises RuntimeError with sbatch's message on failure."""
+def sbatch(script: Path, text: Optional[str] = None) -> str:
+    """Submit ``script`` (or ``text`` on stdin, ``script`` being its saved copy); returns the job id.
+    Raises RuntimeError with sbatch's message on failure."""
     try:
-        res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60)
+        args = ["sbatch", "--parsable"] + ([] if text is not None else [str(script)])
+        res = subprocess.run(args, input=text, capture_output=True, text=True, timeout=60)
     except FileNotFoundError:
         raise RuntimeError("sbatch not found: run this on a Slurm login node (or use `render`)") from None
     if res.returncode != 0:
@@ -263,9 +265,10 @@ def main(argv: Sequence[str]) -> int:
               file=sys.stderr)
         return 0
     log_dir.mkdir(parents=True, exist_ok=True)
-    script = write_script(text, log_dir, cfg.run.name)
+    # The saved copy carries no credentials from slurm.setup; sbatch gets the real script on stdin.
+    script = write_script(redact_secrets(text), log_dir, cfg.run.name)
     try:
-        job_id = sbatch(script)
+        job_id = sbatch(script, None if redact_secrets(text) == text else text)
     except RuntimeError as e:
         print(f"rhymerl: {e}", file=sys.stderr)
         return 1

@@ -176,7 +176,15 @@ def run_from_config(argv: list[str]) -> int:
         return 2
     rank, world_size, _ = launcher_env()
     t0 = time.time()
-    rc = run(cfg, rank, world_size)
+    try:
+        rc = run(cfg, rank, world_size)
+    except Exception as e:
+        from rhymerl import user_errors
+
+        code = user_errors.report(e, Path(cfg.run.output_dir), rank)
+        if code is None:
+            raise
+        return code
     if rank == 0:
         log.info("finished in %.1f s", time.time() - t0)
     return rc

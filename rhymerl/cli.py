@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         from rhymerl.config import ConfigError, load_config, to_yaml
 
         try:
-            cfg = load_config(args.config, args.overrides)
+            # The run reports unused keys when it loads the config again.
+            cfg = load_config(args.config, args.overrides, report_unused=args.print_config)
         except ConfigError as e:
             print(f"rhymerl: config error: {e}", file=sys.stderr)
             return 2

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -202,6 +205,12 @@ class RewardConfig:
     timeout_s: float = 5.0
     # forkserver preloads the verifiers once, so a worker replaced after a timeout is ready in ms.
     start_method: Literal["forkserver", "spawn"] = "forkserver"
+    # A step whose fraction of failed items (scorer exceptions, timeouts, dead workers) is
+    # above this aborts the run: a broken verifier would otherwise train on all-zero rewards.
+    max_error_rate: float = 0.5
+    # "package.module:callable" scoring every item instead of the built-in scorers:
+    # (RewardItem) -> float | RewardResult, run in the same timeout-guarded workers.
+    function: str = ""
 
 
 @dataclass
@@ -387,8 +396,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Load a YAML file (optional) and apply ``key.sub=value`` overrides, strictly."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                report_unused: bool = True) -> RunConfig:
+    """Load a YAML file (optional) and apply ``key.sub=value`` overrides, strictly.
+
+    ``report_unused`` logs a warning for each key set that the chosen path does not read."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -405,18 +417,117 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for o in overrides:
         k, v = parse_override(o)
         _set_dotted(over, k, v)
-    cfg = _build(RunConfig, _deep_merge(data, over))
+    merged = _deep_merge(data, over)
+    cfg = _build(RunConfig, merged)
+    expand_paths(cfg)
     check_static(cfg)
+    if report_unused:
+        report_ignored(cfg, set(_flat_keys(merged)))
     return cfg
 
 
 def from_dict(data: dict) -> RunConfig:
     cfg = _build(RunConfig, data)
+    expand_paths(cfg)
     check_static(cfg)
     return cfg
 
 
+# --------------------------------------------------------------------------- paths and ignored keys
+
+# Fields that name files or folders: "$VAR", "${VAR}" and "~" are expanded at load time.
+PATH_FIELDS = ("run.output_dir", "model.path", "model.cache_dir", "data.path", "checkpoint.dir",
+               "checkpoint.resume", "slurm.log_dir", "slurm.python")
+_VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    if "USER" not in env:  # unset in some containers and batch environments; the login name is meant
+        import getpass
+
+        try:
+            env["USER"] = getpass.getuser()
+        except Exception:
+            pass
+    return env
+
+
+def expand_paths(cfg: RunConfig) -> None:
+    """Expand ``$VAR``, ``${VAR}`` and ``~`` in the path fields, in place; an unset variable
+    is an error (it would otherwise become a literal ``$USER`` folder)."""
+    env = None
+    for dotted in PATH_FIELDS:
+        section, name = dotted.split(".")
+        obj = getattr(cfg, section)
+        value = getattr(obj, name)
+        if not value or "$" not in value and not value.startswith("~"):
+            continue
+        env = env if env is not None else _environment()
+
+        def sub(m: re.Match) -> str:
+            var = m.group(1) or m.group(2)
+            if var not in env:
+                raise ConfigError(f"{dotted}: environment variable ${var} in {value!r} is not set")
+            return env[var]
+
+        setattr(obj, name, os.path.expanduser(_VAR.sub(sub, value)))
+
+
+def _flat_keys(tree: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        # Free-form mappings (data.task_args) are one setting, not sections.
+        out.extend(_flat_keys(v, key + ".") if isinstance(v, dict) and key != "data.task_args" else [key])
+    return out
+
+
+def ignored_keys(cfg: RunConfig, given: set[str]) -> list[str]:
+    """Of the keys the user set (``given``, dotted), those the chosen path does not read, each
+    with the setting that makes it unused."""
+    r, h, hp, a, d, p = cfg.rollout, cfg.histospec, cfg.histopipe, cfg.algo, cfg.data, cfg.parallel
+    unused: list[tuple[str, str]] = []
+
+    def when(cond: bool, keys, why: str) -> None:
+        if cond:
+            unused.extend((k, why) for k in ([keys] if isinstance(keys, str) else keys))
+
+    when(d.source == "reasoning_gym", "data.path", "data.source is 'reasoning_gym'")
+    when(d.source != "reasoning_gym", ["data.tasks", "data.task_args", "data.size"],
+         f"data.source is {d.source!r}")
+    when(not cfg.model.path.startswith("builtin:tiny"), "model.tiny", f"model.path is {cfg.model.path!r}")
+    when(r.speculative == "none", "rollout.num_speculative_tokens", "rollout.speculative is 'none'")
+    when(r.speculative != "histospec", [f"histospec.{f.name}" for f in dataclasses.fields(HistoSpecConfig)
+                                        if f.name != "enabled"], f"rollout.speculative is {r.speculative!r}")
+    when(r.speculative == "histospec" and not h.tree, ["histospec.tree_nodes", "histospec.tree_topk"],
+         "histospec.tree is false")
+    when(r.speculative == "histospec" and h.draft_rule != "fixed", "histospec.fixed_len",
+         f"histospec.draft_rule is {h.draft_rule!r}")
+    when(r.speculative == "histospec" and h.draft_rule != "adaptive", "histospec.adaptive_conf",
+         f"histospec.draft_rule is {h.draft_rule!r}")
+    when(not hp.enabled, [f"histopipe.{f.name}" for f in dataclasses.fields(HistoPipeConfig) if f.name != "enabled"],
+         "histopipe.enabled is false")
+    when(not a.dynamic_sampling, "algo.max_refill_rounds", "algo.dynamic_sampling is false")
+    when(a.overlong_buffer == 0, "algo.overlong_penalty", "algo.overlong_buffer is 0")
+    when(p.backend == "megatron", "parallel.zero_stage", "parallel.backend is 'megatron'")
+    when(p.backend == "deepspeed", "parallel.distributed_optimizer", "parallel.backend is 'deepspeed'")
+    when(cfg.tracking.wandb == "disabled", ["tracking.project", "tracking.entity"], "tracking.wandb is 'disabled'")
+    return [f"{k}: set but unused because {why}" for k, why in unused
+            if k in given or any(g.startswith(k + ".") for g in given)]
+
+
+def report_ignored(cfg: RunConfig, given: set[str]) -> list[str]:
+    """Warn about each set-but-unused key; returns the messages."""
+    msgs = ignored_keys(cfg, given)
+    for m in msgs:
+        logging.getLogger("rhymerl.config").warning("config: %s", m)
+    return msgs
+
+
 def to_dict(cfg: Any) -> dict:
+    """Plain data of a config, for YAML, checkpoints and W&B: secrets in ``slurm.setup`` are
+    redacted (the sbatch script is rendered from the config object itself)."""
     def conv(v):
         if isinstance(v, tuple):
             return list(v)
@@ -426,7 +537,24 @@ def to_dict(cfg: Any) -> dict:
             return {k: conv(x) for k, x in v.items()}
         return v
 
-    return conv(dataclasses.asdict(cfg))
+    out = conv(dataclasses.asdict(cfg))
+    if isinstance(out.get("slurm"), dict) and out["slurm"].get("setup"):
+        out["slurm"]["setup"] = [redact_secrets(line) for line in out["slurm"]["setup"]]
+    return out
+
+
+# NAME=value where NAME looks like a credential (WANDB_API_KEY, HF_TOKEN, DB_PASSWORD...),
+# and `wandb login KEY`.
+_SECRET_ASSIGN = re.compile(r"\b([A-Za-z_][A-Za-z0-9_]*(?:KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?|AUTH)"
+                            r"[A-Za-z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)", re.IGNORECASE)
+_WANDB_LOGIN = re.compile(r"(\bwandb\s+login(?:\s+--\S+)*\s+)([^\s-]\S*)")
+REDACTED = "<redacted>"
+
+
+def redact_secrets(text: str) -> str:
+    """``text`` (shell lines) with credential values replaced by ``<redacted>``."""
+    text = _SECRET_ASSIGN.sub(lambda m: f"{m.group(1)}={REDACTED}", text)
+    return _WANDB_LOGIN.sub(lambda m: m.group(1) + REDACTED, text)
 
 
 def to_yaml(cfg: Any) -> str:
@@ -467,6 +595,7 @@ def check_static(cfg: RunConfig) -> None:
     _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
     _require(0 < r.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
     _require(r.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
+    _check_lengths(r, d)
     _require(r.num_speculative_tokens >= 1, "rollout.num_speculative_tokens", "must be >= 1")
     if r.speculative == "histospec":
         _require(h.enabled, "rollout.speculative", "is 'histospec' but histospec.enabled is false")
@@ -496,9 +625,29 @@ def check_static(cfg: RunConfig) -> None:
     _require(d.prompts_per_step >= 1, "data.prompts_per_step", "must be >= 1")
     _require(cfg.reward.workers >= 0, "reward.workers", "must be >= 0 (0 = score in-process)")
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    _check_reward(cfg.reward)
     _require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _require(cfg.run.epochs >= 1, "run.epochs", "must be >= 1")
     _require(cfg.slurm.nodes >= 1, "slurm.nodes", "must be >= 1")
+
+
+def _check_lengths(r: RolloutConfig, d: DataConfig) -> None:
+    # The engine would cap longer responses silently: the run would train on other lengths than asked.
+    _require(r.max_tokens < r.max_model_len, "rollout.max_tokens",
+             f"{r.max_tokens} leaves no room for the prompt in rollout.max_model_len={r.max_model_len}")
+    _require(d.max_prompt_tokens + r.max_tokens <= r.max_model_len, "rollout.max_model_len",
+             f"{r.max_model_len} < data.max_prompt_tokens ({d.max_prompt_tokens}) + rollout.max_tokens "
+             f"({r.max_tokens}); raise it or lower one of those")
+
+
+def _check_reward(rw: RewardConfig) -> None:
+    _require(0 <= rw.max_error_rate <= 1, "reward.max_error_rate", "must be in [0, 1] (1 = never abort)")
+    if rw.function:
+        module, sep, attr = rw.function.partition(":")
+        _require(bool(sep and module and attr), "reward.function",
+                 f"{rw.function!r} is not of the form 'package.module:callable'")
+        _require(rw.kind == "auto", "reward.kind",
+                 f"is {rw.kind!r} but reward.function scores every item; leave reward.kind at 'auto'")
 
 
 @dataclass

@@ -12,6 +12,7 @@ the training backend into every engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import zlib
@@ -70,7 +71,7 @@ class Trainer:
         from rhymerl.config import validate
         from rhymerl.histopipe import HistoPipePlanner, LengthPredictor, NoopPlanner
         from rhymerl.histospec import HistoryStore
-        from rhymerl.models import model_shape, resolve_model
+        from rhymerl.models import check_model_use, model_shape, resolve_model
         from rhymerl.rewards import RewardPool
         from rhymerl.rollout import RolloutEngine
         from rhymerl.training import build_backend
@@ -84,6 +85,7 @@ class Trainer:
         if self.model_path is None:
             self.model_path = resolve_model(cfg.model)
         self.dp_size = validate(cfg, model_shape(self.model_path), world_size=comm.world_size)
+        check_model_use(self.model_path, cfg.parallel.backend, cfg.data.chat_template)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.records: list[PromptRecord] = load_records(cfg.data)
@@ -113,13 +115,30 @@ class Trainer:
                                              seed=cfg.run.seed, temperature=temp, train=False)
         self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + comm.rank,
                                     history=self.history, dtype=cfg.model.dtype)
-        self.rewards = RewardPool(cfg.reward, start_method=cfg.reward.start_method) if comm.rank == 0 else None
+        self.rewards = self._start_rewards(RewardPool)
         from rhymerl.algorithms import DynamicSamplingBuffer
 
         self.ds_buffer = DynamicSamplingBuffer.from_config(cfg.algo, cfg.data.prompts_per_step) \
             if cfg.algo.dynamic_sampling else None
         self.step = 0
         self.last_batch_records: list[PromptRecord] = []
+
+    def _start_rewards(self, pool_cls):
+        """Rank 0's reward pool, its workers started (scorer imports checked) before the first
+        step; a scorer that cannot load stops every rank with rank 0's message."""
+        from rhymerl.rewards.pool import RewardSetupError
+
+        pool, err = None, None
+        if self.comm.rank == 0:
+            try:
+                pool = pool_cls(self.cfg.reward, start_method=self.cfg.reward.start_method)
+                pool.wait_ready()
+            except RewardSetupError as e:
+                err = str(e)
+        err = self.comm.broadcast_object(err)
+        if err is not None:
+            raise RewardSetupError(err)
+        return pool
 
     # ------------------------------------------------------------------ state
 
@@ -150,8 +169,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
 
-    def _rollout(self, batch_indices: list[int], epoch: int) -> tuple[list[Sample], dict]:
-        """Plan and generate this step's responses on every instance; returns all samples (every rank)."""
+    def _rollout(self, batch_indices: list[int], epoch: int, round_: int = 0) -> tuple[list[Sample], dict]:
+        """Plan and generate this step's responses on every instance; returns all samples (every rank).
+
+        ``round_`` numbers DAPO's refill batches within the step: each samples with its own seeds
+        and sibling-group ids (a refill that draws the same prompts must not replay round 0)."""
         from rhymerl.histopipe import PromptGroup
         from rhymerl.rollout import SamplingSpec
 
@@ -168,10 +190,11 @@ class Trainer:
         # Request j of this instance samples with seed base + j: a resumed step replays exactly.
         spec = SamplingSpec(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_tokens,
-                            seed=request_seed(cfg.run.seed, self.step, self.comm.rank, 0))
+                            seed=request_seed(cfg.run.seed, self.step, self.comm.rank, round_))
         t1 = time.perf_counter()
         # Siblings of a group share a group id, so HistoSpec can draft from in-flight siblings.
-        results = self.engine.generate(prompts, 1, spec, group_ids=[f"{self.step}:{g}" for g, _ in mine], epoch=epoch,
+        gid = f"{self.step}:" if round_ == 0 else f"{self.step}.{round_}:"
+        results = self.engine.generate(prompts, 1, spec, group_ids=[f"{gid}{g}" for g, _ in mine], epoch=epoch,
                                        record_history=False) if prompts else []
         t_gen = time.perf_counter() - t1
         local = []
@@ -180,7 +203,8 @@ class Trainer:
             local.append(Sample(group=g, sample_idx=s, prompt_ids=self.prompt_ids[batch_indices[g]],
                                 token_ids=list(r.token_ids), logprobs=list(r.logprobs), finish_reason=r.finish_reason,
                                 text=self.tokenizer.decode(r.token_ids, skip_special_tokens=True)))
-        engine_metrics = self.engine.metrics()
+        # metrics() describes the engine's last generate() call: an idle instance reports nothing.
+        engine_metrics = self.engine.metrics() if prompts else {}
         gathered = self.comm.all_gather_object((local, engine_metrics, t_gen))
         samples = sorted((s for part, _, _ in gathered for s in part), key=lambda s: (s.group, s.sample_idx))
         per_instance_s = [t for _, _, t in gathered]
@@ -203,6 +227,8 @@ class Trainer:
             "histopipe/bubble_fraction": float(1 - sum(per_instance_s) / (makespan * len(per_instance_s)))
             if makespan > 0 else 0.0,
             **{f"histospec/{k}": v for k, v in spec_m.items()},
+            "rollout/responses": len(samples),
+            "rollout/generated_tokens": sum(len(s.token_ids) for s in samples),
         }
         for g in actual:
             self.predictor.observe(self.prompt_keys[batch_indices[g]], actual[g])
@@ -221,6 +247,7 @@ class Trainer:
 
     def _score(self, samples: list[Sample], batch_indices: list[int]) -> dict:
         from rhymerl.rewards import RewardItem
+        from rhymerl.rewards.pool import RewardErrorRate, check_error_rate
 
         t0 = time.perf_counter()
         if self.comm.rank == 0:
@@ -232,9 +259,15 @@ class Trainer:
                                         metadata=rec.metadata.get("entry", {}).get("metadata", rec.metadata)))
             results = self.rewards.score(items)
             scored = [(r.score, r.correct, r.error is not None, r.timed_out) for r in results]
+            try:
+                check_error_rate(results, self.cfg.reward.max_error_rate)
+            except RewardErrorRate as e:
+                scored = str(e)
         else:
             scored = None
         scored = self.comm.broadcast_object(scored)
+        if isinstance(scored, str):  # every rank stops with rank 0's reason
+            raise RewardErrorRate(scored)
         for s, (score, correct, err, to) in zip(samples, scored):
             s.reward, s.correct, s.reward_error, s.reward_timeout = float(score), bool(correct), err, to
         return {"time/reward_s": time.perf_counter() - t0,
@@ -313,19 +346,21 @@ class Trainer:
         samples, metrics = self._rollout(idx, batch.epoch)
         metrics.update(self._score(samples, idx))
         self._record_history(samples, idx, batch.epoch)
-        rewards = np.array([s.reward for s in samples])
-        metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-                        "reward/accuracy": float(np.mean([s.correct for s in samples]))})
+        scored = samples
         if self.ds_buffer is not None:
-            samples, idx, ds_m = self._dynamic_sampling(samples, idx, batch.epoch)
+            samples, idx, scored, ds_m = self._dynamic_sampling(samples, idx, batch.epoch, metrics)
             metrics.update(ds_m)
+        # Over every response generated this step (DAPO's refills included), not only those trained on.
+        rewards = np.array([s.reward for s in scored])
+        metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+                        "reward/accuracy": float(np.mean([s.correct for s in scored]))})
         adv = self._advantages(samples)
         self.last_batch_records = [self.records[i] for i in idx]
         if len(samples):
             metrics.update(self._train(samples, adv))
             metrics.update(self._reshard())
         lengths = [len(s.token_ids) for s in samples]
-        gen_tokens = sum(lengths)
+        gen_tokens = metrics.get("rollout/generated_tokens", sum(lengths))
         metrics.update({
             "response/len_mean": float(np.mean(lengths)) if lengths else 0.0,
             "response/len_max": int(max(lengths)) if lengths else 0,
@@ -337,43 +372,45 @@ class Trainer:
         self.step += 1
         return out
 
-    def _dynamic_sampling(self, samples: list[Sample], idx: list[int], epoch: int):
-        """DAPO: keep groups with non-constant rewards, refilling from further batches."""
+    def _dynamic_sampling(self, samples: list[Sample], idx: list[int], epoch: int, metrics: dict):
+        """DAPO: keep groups with non-constant rewards, refilling from further batches.
+
+        Returns the kept samples (copies, renumbered to the kept groups), their prompt indices,
+        every scored sample of the step and the ``dapo/*`` figures; each refill round's rollout
+        and reward figures are added into ``metrics``.
+        """
         buf = self.ds_buffer
         buf.begin_step()
-        offset = 0
         pool_idx: list[int] = []
         pool: dict[int, list[Sample]] = {}
+        scored: list[Sample] = []
 
         def add(ss: list[Sample], ii: list[int]):
-            nonlocal offset
+            offset = len(pool_idx)
             grouped: dict[int, list[Sample]] = {}
             for s in ss:
                 grouped.setdefault(s.group, []).append(s)
             keys = sorted(grouped)
             for g in keys:
-                for s in grouped[g]:
-                    s.group = g + offset
                 pool[g + offset] = grouped[g]
             pool_idx.extend(ii)
+            scored.extend(ss)
             buf.add([g + offset for g in keys], [[s.reward for s in grouped[g]] for g in keys])
-            offset += len(ii)
 
         add(samples, idx)
+        round_ = 0
         while not buf.ready:
+            round_ += 1
             nb = self.sampler.next_batch()
-            ss, _ = self._rollout(nb.indices, nb.epoch)
-            self._score(ss, nb.indices)
+            ss, roll_m = self._rollout(nb.indices, nb.epoch, round_)
+            roll_m.update(self._score(ss, nb.indices))
             self._record_history(ss, nb.indices, nb.epoch)
+            merge_round_metrics(metrics, roll_m, round_)
             add(ss, nb.indices)
         kept = buf.take()
-        out = [s for g in kept for s in pool[g]]
-        remap = {g: i for i, g in enumerate(kept)}
+        out = [dataclasses.replace(s, group=i) for i, g in enumerate(kept) for s in pool[g]]
         new_idx = [pool_idx[g] for g in kept]
-        for s in out:
-            s.group = remap[s.group]
-        return out, new_idx, {f"dapo/{k}": v for k, v in buf.last_step.items()}
-
+        return out, new_idx, scored, {f"dapo/{k}": v for k, v in buf.last_step.items()}
 
     def close(self) -> None:
         self.engine.shutdown()
@@ -381,8 +418,29 @@ class Trainer:
             self.rewards.close()
 
 
+# Figures of one rollout batch that add up over DAPO's refill rounds; ratios are recomputed.
+_ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "rollout/responses", "rollout/generated_tokens")
+_ADDITIVE_SPEC = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s")
+
+
+def merge_round_metrics(into: dict, extra: dict, rounds: int) -> None:
+    """Add a refill round's rollout/reward figures into the step's, which hold ``rounds`` batches
+    so far (sums; ratios recomputed; per-batch HistoPipe figures averaged over the rounds)."""
+    for k, v in extra.items():
+        if k.startswith(_ADDITIVE_PREFIXES) or k.removeprefix("histospec/") in _ADDITIVE_SPEC:
+            into[k] = into.get(k, 0) + v
+        elif k.startswith("histopipe/") and k in into:
+            into[k] = (into[k] * rounds + v) / (rounds + 1)
+        else:
+            into.setdefault(k, v)
+    spec = _sum_engine_metrics([{k: into.get(f"histospec/{k}", 0) for k in _ADDITIVE_SPEC}])
+    if "histospec/acceptance" in into:
+        into["histospec/acceptance"] = spec["acceptance"]
+        into["histospec/tokens_per_forward"] = spec["tokens_per_forward"]
+
+
 def _sum_engine_metrics(ms: list[dict]) -> dict:
-    keys = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s")
+    keys = _ADDITIVE_SPEC
     tot = {k: float(sum(m.get(k, 0) for m in ms)) for k in keys}
     out = dict(tot)
     out["acceptance"] = tot["draft_accepted"] / tot["draft_proposed"] if tot["draft_proposed"] else 0.0

@@ -7,9 +7,12 @@ tokenizer) that transformers, vLLM and the Megatron backend all load from.
 from rhymerl.models.registry import (
     SUPPORTED_ARCHITECTURES,
     ModelError,
+    check_backend_support,
+    check_model_use,
+    has_chat_template,
     model_shape,
     resolve_model,
     validate_model_folder,
 )
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelError", "model_shape", "resolve_model", "validate_model_folder"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelError", "check_backend_support", "check_model_use", "has_chat_template", "model_shape", "resolve_model", "validate_model_folder"]

@@ -79,6 +79,44 @@ def model_shape(folder: Path) -> ModelShape:
     )
 
 
+def check_backend_support(folder: Path, backend: str) -> None:
+    """Refuse, before any data is loaded, a model the chosen training backend cannot build.
+
+    DeepSpeed trains any supported HF architecture; the Megatron backend builds Llama/Qwen2-shaped
+    decoders only (no qk-norm, default RoPE, SiLU), and says which setting to change.
+    """
+    if backend != "megatron":
+        return
+    from rhymerl.resharding.layout import LayoutError, ModelLayout
+
+    cfg_file = Path(folder) / "config.json"
+    try:
+        ModelLayout.from_hf_config(validate_model_folder(folder), where=str(cfg_file))
+    except LayoutError as e:
+        raise ModelError(f"model.path: {e}; parallel.backend=deepspeed trains it") from None
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the folder's tokenizer carries a chat template (in any of transformers' places)."""
+    folder = Path(folder)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    tok_cfg = folder / "tokenizer_config.json"
+    try:
+        return bool(json.loads(tok_cfg.read_text()).get("chat_template")) if tok_cfg.is_file() else False
+    except json.JSONDecodeError as e:
+        raise ModelError(f"model.path: {tok_cfg} is not valid JSON: {e}") from None
+
+
+def check_model_use(folder: Path, backend: str, chat_template: bool) -> None:
+    """Start-up checks of the model against the run's settings, before any data loads."""
+    check_backend_support(folder, backend)
+    if chat_template and not has_chat_template(folder):
+        raise ModelError(f"model.path: {folder} has no chat template (chat_template.jinja or tokenizer_config.json's "
+                         f"'chat_template') but data.chat_template is true; add one, or set "
+                         f"data.chat_template=false for plain 'user:/assistant:' prompts")
+
+
 def _tiny_key(tiny: TinyModelConfig, dtype: str) -> str:
     blob = json.dumps({**asdict(tiny), "dtype": dtype, "v": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

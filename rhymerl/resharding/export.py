@@ -1,15 +1,20 @@
 """`python -m rhymerl export CKPT --hf OUT`: a training-backend checkpoint -> an HF folder.
 
-CKPT is a backend checkpoint folder (it holds ``rhymerl_backend.json``), or any folder above
-one (a RhymeRL checkpoint or run folder): then the newest backend checkpoint below it is used.
-Megatron checkpoints are loaded in this single process at TP=PP=1 (dist_checkpointing
-reshards on load) and streamed out through the same exporter that feeds the rollout engine.
+CKPT is a run folder, a checkpoint folder (``step-*`` folders and their ``latest`` pointer), a
+step folder, or a backend checkpoint folder (it holds ``rhymerl_backend.json``). Above a step
+folder the checkpoint used is the one resuming would use: the newest *verified* step (``latest``
+is the hint; a truncated or half-written checkpoint is skipped with a warning), never the
+newest file time. Megatron checkpoints are loaded in this single process at TP=PP=1
+(dist_checkpointing reshards on load) and streamed out through the same exporter that feeds
+the rollout engine. The export is a complete model folder (every tokenizer and chat-template
+file the training model had), readable as the user's umask allows (not owner-only).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -21,16 +26,54 @@ class ExportError(ValueError):
     pass
 
 
+def _verified_step_backend(step_dir: Path) -> Path:
+    from rhymerl.checkpoint import verify_checkpoint
+
+    reason = verify_checkpoint(step_dir)
+    if reason is not None:
+        raise ExportError(f"checkpoint {step_dir} is incomplete or damaged: {reason}")
+    if not (step_dir / "backend" / META).is_file():
+        raise ExportError(f"checkpoint {step_dir}: no backend/{META} (not a RhymeRL training checkpoint)")
+    return step_dir / "backend"
+
+
 def find_backend_checkpoint(root: Path) -> Path:
+    """The backend checkpoint folder that ``root`` designates (see the module docstring)."""
+    from rhymerl.checkpoint import MANIFEST, CheckpointManager, _STEP_RE
+    from rhymerl.config import CheckpointConfig
+
     root = Path(root)
     if not root.exists():
         raise ExportError(f"checkpoint {root} does not exist")
     if (root / META).is_file():
         return root
-    found = [p.parent for p in root.rglob(META) if not any(part.startswith(".") for part in p.relative_to(root).parts)]
-    if not found:
-        raise ExportError(f"checkpoint {root}: no {META} below it (not a RhymeRL training checkpoint)")
-    return max(found, key=lambda p: (p.stat().st_mtime, str(p)))
+    if (root / MANIFEST).exists() or _STEP_RE.match(root.name):
+        return _verified_step_backend(root)
+    # A run folder keeps its checkpoints in checkpoints/ unless checkpoint.dir moved them.
+    for folder in (root, root / "checkpoints"):
+        mgr = CheckpointManager(CheckpointConfig(dir=str(folder)), root)
+        if mgr.step_folders():
+            found = mgr.newest_valid()
+            if found is None:
+                raise ExportError(f"checkpoint {folder}: no complete checkpoint among "
+                                  f"{', '.join(p.name for _, p in mgr.step_folders())}")
+            return _verified_step_backend(found)
+    raise ExportError(f"checkpoint {root}: no step-* checkpoint or {META} in it (not a RhymeRL run or checkpoint)")
+
+
+def _step_of_backend(ckpt: Path) -> str:
+    from rhymerl.checkpoint import _STEP_RE
+
+    return ckpt.parent.name if ckpt.name == "backend" and _STEP_RE.match(ckpt.parent.name) else ckpt.name
+
+
+def _share_like_umask(folder: Path) -> None:
+    """Give the export the modes a plain mkdir/open would (temp folders are created 0700)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    folder.chmod(0o777 & ~mask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~mask)
 
 
 def _export_megatron(ckpt: Path, meta: dict) -> dict:
@@ -90,6 +133,7 @@ def export_checkpoint(checkpoint: Path, out: Path) -> Path:
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         for f in (ckpt / "hf_config").iterdir():
             shutil.copy2(f, tmp / f.name)
+        _share_like_umask(tmp)
     return out
 
 
@@ -99,9 +143,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--hf", required=True)
     args = ap.parse_args(argv)
     try:
-        out = export_checkpoint(Path(args.checkpoint), Path(args.hf))
+        ckpt = find_backend_checkpoint(Path(args.checkpoint))
+        out = export_checkpoint(ckpt, Path(args.hf))
     except (ExportError, FileNotFoundError) as e:
         print(f"rhymerl export: {e}", file=sys.stderr)
-        return 2
-    print(f"rhymerl export: wrote {out}", file=sys.stderr)
+        return 5  # the checkpoint kind of user error (rhymerl.user_errors)
+    print(f"rhymerl export: wrote {out} from {_step_of_backend(ckpt)} ({ckpt})", file=sys.stderr)
     return 0

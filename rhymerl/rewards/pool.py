@@ -10,6 +10,7 @@ overruns ``timeout_s`` by its process handle, then starts a replacement.
 
 from __future__ import annotations
 
+import importlib
 import math
 import multiprocessing as mp
 import os
@@ -29,6 +30,73 @@ DEFAULT_PRELOAD = ("math_verify", "reasoning_gym")
 _MAX_START_FAILURES = 3
 _START_TIMEOUT_S = 120.0
 _MAX_CHUNK = 16
+# The scorer name under which ``reward.function`` runs.
+FUNCTION_KIND = "function"
+
+
+class RewardSetupError(RuntimeError):
+    """The scorers cannot run (a verifier or the user's reward function does not import)."""
+
+
+class RewardErrorRate(RuntimeError):
+    """Too many items of one step failed to score: the rewards would be meaningless."""
+
+
+def import_error_text(name: str, e: BaseException) -> str:
+    return (f"cannot import {name!r} for the reward scorers: {type(e).__name__}: {e}. "
+            f"Every reward would be 0; fix the installation (or reward.function) and rerun.")
+
+
+def preload_modules(names: Sequence[str]) -> Optional[str]:
+    """Import ``names``; the first failure's message, or None when all import."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as e:
+            return import_error_text(name, e)
+    return None
+
+
+def load_function(spec: str) -> Scorer:
+    """Resolve ``reward.function`` ("package.module:callable") to a callable, in this process.
+
+    The callable must be a module-level name so that it pickles by reference into the workers.
+    """
+    import pickle
+
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise RewardSetupError(f"reward.function: {spec!r} is not of the form 'module:callable'")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:
+        raise RewardSetupError(f"reward.function: {import_error_text(module, e)}") from e
+    fn: Any = mod
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise RewardSetupError(f"reward.function: module {module!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise RewardSetupError(f"reward.function: {spec!r} is not callable")
+    try:
+        pickle.dumps(fn)
+    except Exception as e:
+        raise RewardSetupError(f"reward.function: {spec!r} cannot be sent to the reward workers "
+                               f"(use a module-level function): {type(e).__name__}: {e}") from e
+    return fn
+
+
+def check_error_rate(results: Sequence[RewardResult], max_rate: float) -> None:
+    """Raise :class:`RewardErrorRate` when more than ``max_rate`` of a step's items failed.
+
+    A scorer that fails on most items (a broken verifier, a wrong reward.function) would
+    otherwise train on all-zero rewards and learn nothing.
+    """
+    failed = [r for r in results if r.error is not None]
+    if results and len(failed) / len(results) > max_rate:
+        examples = "; ".join(sorted({r.error for r in failed})[:3])
+        raise RewardErrorRate(f"{len(failed)} of {len(results)} rewards of this step failed to score "
+                              f"(reward.max_error_rate={max_rate:g}); first errors: {examples}")
 
 
 def score_one(item: RewardItem, kind: str, scorers: dict[str, Scorer]) -> RewardResult:
@@ -51,13 +119,12 @@ def score_one(item: RewardItem, kind: str, scorers: dict[str, Scorer]) -> Reward
 def _worker_main(conn: Connection, scorers: dict[str, Scorer], preload: Sequence[str]) -> None:
     # Ctrl-C goes to the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    import importlib
 
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except Exception:
-            pass  # the scorer that needs it reports the error per item
+    failed = preload_modules(preload)
+    if failed is not None:
+        # Scoring on would give every item 0: the parent aborts with this message.
+        conn.send(("failed", failed))
+        return
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -107,7 +174,14 @@ class RewardPool:
     (``start_method="spawn"`` also works, but a replacement then takes seconds).
     ``scorers`` adds named scorers (module-level functions, so they pickle to
     the workers) next to the built-in ``math_verify`` and ``exact``; an
-    item's ``kind`` (or a non-"auto" ``cfg.kind``) selects one.
+    item's ``kind`` (or a non-"auto" ``cfg.kind``) selects one. ``cfg.function``
+    ("module:callable") replaces them all: it scores every item, in the same
+    timeout-guarded workers.
+
+    A scorer module that does not import (math-verify, reasoning-gym, the user's
+    function) raises :class:`RewardSetupError` when the workers start, rather than
+    scoring every item 0; the caller checks each step's error rate with
+    :func:`check_error_rate`.
     """
 
     def __init__(
@@ -121,6 +195,14 @@ class RewardPool:
         self.cfg = cfg
         self.scorers: dict[str, Scorer] = {**BUILTIN_SCORERS, **(scorers or {})}
         self.preload = tuple(preload)
+        function = cfg.function
+        if function:
+            self.scorers[FUNCTION_KIND] = load_function(function)
+            self.preload += (function.partition(":")[0],)
+        if cfg.workers == 0:
+            failed = preload_modules(self.preload)
+            if failed is not None:
+                raise RewardSetupError(failed)
         self.stats: dict[str, Any] = {"items": 0, "errors": 0, "timeouts": 0, "restarts": 0,
                                       "calls": 0, "wall_s": 0.0, "scorer_s": 0.0, "killed_pids": []}
         self._ctx = mp.get_context(start_method)
@@ -175,7 +257,10 @@ class RewardPool:
         if self._closed:
             raise RuntimeError("RewardPool.score called after close()")
         t0 = time.perf_counter()
-        kinds = [resolve_kind(it, self.cfg.kind) for it in items]
+        if self.cfg.function:
+            kinds = [FUNCTION_KIND] * len(items)
+        else:
+            kinds = [resolve_kind(it, self.cfg.kind) for it in items]
         if not self._workers:
             results = [score_one(it, k, self.scorers) for it, k in zip(items, kinds)]
         else:
@@ -239,6 +324,9 @@ class RewardPool:
                     except (EOFError, OSError):
                         self._on_death(w, results, pending)
                         break
+                    if msg[0] == "failed":
+                        self.close()
+                        raise RewardSetupError(msg[1])
                     if msg[0] == "ready":
                         w.ready = True
                         self._start_failures = 0

@@ -15,8 +15,15 @@ from typing import Callable
 import torch.distributed as dist
 
 BACKEND_META = "rhymerl_backend.json"
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
+# Weight files of a model folder; every other file (config, tokenizer, chat template...) travels
+# with a checkpoint so that its export is a complete model folder.
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".gguf",
+                    ".h5", ".msgpack", ".ckpt")
+
+
+def hf_side_files(model_path: Path) -> list[Path]:
+    return sorted(p for p in Path(model_path).iterdir()
+                  if p.is_file() and not p.name.startswith(".") and not p.name.endswith(_WEIGHT_SUFFIXES))
 
 
 def save_backend_checkpoint(folder: Path, model_path: Path, meta: dict, write_state: Callable[[Path], None]) -> None:
@@ -35,9 +42,8 @@ def save_backend_checkpoint(folder: Path, model_path: Path, meta: dict, write_st
     if rank0:
         hf = tmp / "hf_config"
         hf.mkdir()
-        for name in HF_SIDE_FILES:
-            if (Path(model_path) / name).is_file():
-                shutil.copy2(Path(model_path) / name, hf / name)
+        for f in hf_side_files(model_path):
+            shutil.copy2(f, hf / f.name)
         atomic_write_text(tmp / BACKEND_META, json.dumps(meta, indent=2))
         fsync_tree(tmp)
         if folder.exists():

@@ -9,6 +9,7 @@ whatever the number of micro-batches.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterator
 
@@ -69,6 +70,14 @@ class DeepSpeedBackend:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(str(self.model_path), dtype=DTYPES[dtype])
         model.to(groups.device)
+        if not train:
+            # A frozen model (the KL reference): no optimizer state, no ZeRO engine, no gradients.
+            self.engine, self.optimizer = model.requires_grad_(False).eval(), None
+            self.module = model
+            return
+        # deepspeed.initialize insists on LOCAL_RANK, which only torchrun/srun-style launchers set;
+        # a single-process run (`python -m rhymerl train`) has none.
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
         a = algo_cfg
         optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=tuple(a.betas), eps=a.adam_eps,
                                       weight_decay=a.weight_decay)
@@ -98,7 +107,8 @@ class DeepSpeedBackend:
         self.engine.eval()
         with torch.no_grad():
             local = torch.cat([self._forward_lp(m) for m in split_micro(rank_slice(input_ids.long(), plan, g.dp_rank), plan)])
-        self.engine.train()
+        if self.optimizer is not None:
+            self.engine.train()
         full = self._gather_dp(local.float(), plan.rows_per_rank)
         return full[:B] * response_mask.to(full.dtype)
 
@@ -109,6 +119,8 @@ class DeepSpeedBackend:
             from rhymerl.algorithms.losses import policy_loss as loss_fn
         else:
             loss_fn = self._loss_fn
+        if self.optimizer is None:
+            raise RuntimeError("this backend was built with train=False")
         g = self.groups
         B = batch.input_ids.shape[0]
         plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens)
@@ -144,7 +156,7 @@ class DeepSpeedBackend:
         """HF-named tensors in buckets; under ZeRO-3 each parameter is gathered, copied and released."""
         import deepspeed
 
-        zero3 = self.parallel_cfg.zero_stage == 3
+        zero3 = self.parallel_cfg.zero_stage == 3 and self.optimizer is not None
         bucket, used = [], 0
         for name, p in self.module.named_parameters():
             size = p.ds_numel * p.element_size() if zero3 else p.numel() * p.element_size()
@@ -164,6 +176,8 @@ class DeepSpeedBackend:
     # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, folder: Path) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("this backend was built with train=False: it holds the initial weights only")
         meta = {"kind": "deepspeed", "steps": self.steps, "dtype": self.dtype_name,
                 "zero_stage": self.parallel_cfg.zero_stage, "data_parallel": self.groups.dp_size}
         save_backend_checkpoint(folder, self.model_path, meta,

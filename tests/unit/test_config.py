@@ -97,3 +97,41 @@ def test_cli_print_config_and_bad_override():
 def test_cli_help(cmd):
     r = subprocess.run([sys.executable, "-m", "rhymerl", *cmd], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and "usage" in r.stdout
+
+
+def test_path_fields_expand_environment_variables(monkeypatch):
+    monkeypatch.setenv("USER", "ada")
+    monkeypatch.setenv("RUNS", "/scratch/x")
+    cfg = load_config(REPO / "configs" / "qwen2.5-7b-dapo-math-8xh100.yaml", ["checkpoint.dir=${RUNS}/ckpt"])
+    assert cfg.run.output_dir == "/scratch/ada/rhymerl/qwen2.5-7b-dapo"
+    assert cfg.checkpoint.dir == "/scratch/x/ckpt"
+    # Only path fields: a system prompt keeps its dollar signs.
+    assert load_config(None, ["data.system_prompt=costs $5"]).data.system_prompt == "costs $5"
+    monkeypatch.delenv("RUNS")
+    with pytest.raises(ConfigError, match=r"checkpoint.dir: environment variable \$RUNS .* is not set"):
+        load_config(None, ["checkpoint.dir=$RUNS/ckpt"])
+
+
+def test_response_length_that_does_not_fit_the_context_is_refused():
+    with pytest.raises(ConfigError, match="rollout.max_tokens: 200 leaves no room.*max_model_len=128"):
+        load_config(None, ["rollout.max_tokens=200", "rollout.max_model_len=128"])
+    with pytest.raises(ConfigError, match=r"rollout.max_model_len: 600 < data.max_prompt_tokens \(512\)"):
+        load_config(None, ["rollout.max_tokens=100", "rollout.max_model_len=600"])
+    load_config(None, ["rollout.max_tokens=100", "rollout.max_model_len=612"])
+
+
+def test_keys_the_chosen_path_does_not_use_are_reported(caplog):
+    with caplog.at_level("WARNING", logger="rhymerl.config"):
+        load_config(None, ["data.path=prompts.jsonl", "parallel.zero_stage=3", "histospec.max_draft=4",
+                           "rollout.speculative=ngram", "algo.max_refill_rounds=5", "model.tiny.hidden_size=64"])
+    text = caplog.text
+    for key, why in (("data.path", "data.source is 'reasoning_gym'"), ("parallel.zero_stage", "'megatron'"),
+                     ("histospec.max_draft", "rollout.speculative is 'ngram'"),
+                     ("algo.max_refill_rounds", "dynamic_sampling is false"), ("model.tiny", "model.path")):
+        assert f"{key}: set but unused because" in text and why in text, (key, text)
+    # Keys left at their defaults, or used, are not reported.
+    assert "histospec.fixed_len" not in text and "rollout.n" not in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rhymerl.config"):
+        load_config(REPO / "configs" / "tiny-cpu.yaml")
+    assert "unused" not in caplog.text, caplog.text

@@ -44,3 +44,17 @@ def test_folder_validation_errors(tiny_model_dir, tmp_path):
         validate_model_folder(tmp_path)
     with pytest.raises(ModelError, match="unknown built-in"):
         resolve_model(ModelConfig(path="builtin:gpt5"))
+
+
+def test_qwen3_is_refused_for_megatron_before_any_data_loads(tiny_model_dir, tmp_path):
+    from rhymerl.models import check_backend_support
+
+    d = tmp_path / "qwen3"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
+    validate_model_folder(d)  # a supported architecture...
+    with pytest.raises(ModelError, match=r"Qwen3ForCausalLM.*not supported by the Megatron backend.*parallel.backend=deepspeed"):
+        check_backend_support(d, "megatron")
+    check_backend_support(d, "deepspeed")  # ...that DeepSpeed trains
+    check_backend_support(tiny_model_dir, "megatron")

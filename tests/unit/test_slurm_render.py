@@ -17,14 +17,25 @@ REPO = Path(__file__).resolve().parents[2]
 PLACEHOLDER = Path("/path/to/rhymerl")
 
 # The committed examples in slurm/ are these renders; RHYMERL_UPDATE_SLURM_EXAMPLES=1 rewrites them.
+# name -> (slurm section, parallel section, overrides, the config file the script runs).
+GPU_CONFIG = "configs/qwen2.5-32b-grpo-math-4x8xh100.yaml"
 EXAMPLES = {
     "single-node-cpu.sbatch": (SlurmConfig(tasks_per_node=2, cpus_per_task=1, time="00:30:00", signal_lead_s=60),
-                               ParallelConfig(), ["run.max_steps=20"]),
-    "multi-node-gpu.sbatch": (SlurmConfig(nodes=2, gpus_per_node=8, cpus_per_task=8, partition="gpu",
-                                          time="1-00:00:00", signal_lead_s=300, mem_per_cpu_mb=8000,
-                                          extra_sbatch=["--exclusive"]),
-                              ParallelConfig(tensor_parallel=8, pipeline_parallel=2), []),
+                               ParallelConfig(), ["run.max_steps=20"], "configs/tiny-cpu.yaml"),
+    # The GPU example is the shipped multi-node config's own render (its slurm and parallel sections).
+    "multi-node-gpu.sbatch": (None, None, [], GPU_CONFIG),
 }
+
+
+def _example(name: str):
+    slurm, parallel, overrides, config = EXAMPLES[name]
+    job_name = "rhymerl"
+    if slurm is None:
+        from rhymerl.config import load_config
+
+        cfg = load_config(REPO / config)
+        slurm, parallel, job_name = cfg.slurm, cfg.parallel, cfg.run.name
+    return slurm, parallel, overrides, config, job_name
 
 
 def _render(slurm: SlurmConfig, parallel: ParallelConfig = ParallelConfig(), overrides=(), **kw) -> str:
@@ -41,13 +52,25 @@ def _directives(text: str) -> list[str]:
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_committed_examples_match_renderer(name):
-    slurm, parallel, overrides = EXAMPLES[name]
-    text = _render(slurm, parallel, overrides)
+    slurm, parallel, overrides, config, job_name = _example(name)
+    text = _render(slurm, parallel, overrides, config_path=config, job_name=job_name)
     path = REPO / "slurm" / name
     if os.environ.get("RHYMERL_UPDATE_SLURM_EXAMPLES") == "1":
         path.write_text(text)
     assert path.read_text() == text, f"{path} is stale; rerun with RHYMERL_UPDATE_SLURM_EXAMPLES=1"
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+
+
+def test_examples_run_a_shipped_config_on_the_hardware_they_request():
+    from rhymerl.config import load_config
+
+    for name in EXAMPLES:
+        text = (REPO / "slurm" / name).read_text()
+        config = text.split("-m launch.rank_main ", 1)[1].split()[0].removeprefix(f"{PLACEHOLDER}/")
+        cfg = load_config(REPO / config)
+        gpus = next((int(d.split("=")[1]) for d in _directives(text) if d.startswith("--gpus-per-node=")), 0)
+        # A GPU script must not run the CPU config (and the reverse): the devices would sit idle.
+        assert (gpus > 0) == (cfg.slurm.gpus_per_node > 0 or cfg.parallel.dist_backend == "nccl"), (name, config)
 
 
 def test_single_node_cpu_script():
@@ -129,3 +152,47 @@ def test_cli_is_wired_through_rhymerl(tmp_path):
                          text=True, cwd=REPO, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "#SBATCH --job-name=wired" in res.stdout
+
+
+def test_docs_name_only_config_files_that_exist():
+    import re
+
+    for doc in ("README.md", "slurm/README.md"):
+        for name in re.findall(r"configs/[\w.\-]+\.yaml", (REPO / doc).read_text()):
+            if name != "configs/my-run.yaml":  # the placeholder for a user's own config
+                assert (REPO / name).is_file(), f"{doc} names {name}, which does not exist"
+
+
+SETUP = ["module load cuda/12.4", "export WANDB_API_KEY=0123abcd", "export HF_TOKEN='hf_x y'", "wandb login 9f9f9f"]
+
+
+def test_setup_secrets_are_redacted_in_what_is_saved_or_logged():
+    from rhymerl.config import load_config, to_dict, to_yaml
+
+    cfg = load_config(None, [f"slurm.setup={SETUP}"])
+    assert cfg.slurm.setup == SETUP  # the script that runs needs them
+    # to_dict is what checkpoints, the W&B config and --print-config hold.
+    saved = to_dict(cfg)["slurm"]["setup"]
+    assert saved == ["module load cuda/12.4", "export WANDB_API_KEY=<redacted>", "export HF_TOKEN=<redacted>",
+                     "wandb login <redacted>"]
+    for secret in ("0123abcd", "hf_x", "9f9f9f"):
+        assert secret not in to_yaml(cfg)
+
+
+def test_submitted_script_keeps_secrets_and_saved_copy_does_not(tmp_path, monkeypatch, capsys):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/bash\necho "$@" > {tmp_path}/args\ncat > {tmp_path}/stdin\necho 4242\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"run": {"name": "sec"}, "slurm": {"log_dir": str(tmp_path / "logs"), "setup": SETUP}}))
+    monkeypatch.chdir(tmp_path)
+    assert sl.main(["submit", str(cfg)]) == 0
+    assert capsys.readouterr().out.strip() == "4242"
+    submitted = (tmp_path / "stdin").read_text()
+    assert "export WANDB_API_KEY=0123abcd" in submitted and "wandb login 9f9f9f" in submitted
+    (saved,) = (tmp_path / "logs" / "scripts").iterdir()
+    text = saved.read_text()
+    assert "export WANDB_API_KEY=<redacted>" in text and "0123abcd" not in text and "9f9f9f" not in text
+    assert text.replace("<redacted>", "") == submitted.replace("0123abcd", "").replace("'hf_x y'", "").replace("9f9f9f", "")
