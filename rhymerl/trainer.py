@@ -99,6 +99,9 @@ class Trainer:
         self.num_instances = comm.world_size
         if cfg.histopipe.enabled:
             self.planner = HistoPipePlanner(cfg.histopipe, self.num_instances, cfg.rollout.max_num_seqs)
+            # Not silent: these keys shape the scheduler policy, which only the simulator drives so far.
+            log.warning("histopipe: the rollout dispatches the planner's static plan; histopipe.probe, straggler_z, "
+                        "lanes, lane_batch, lane_fraction and migrate act in `simulate histopipe` only")
         else:
             self.planner = NoopPlanner(self.num_instances)
 
