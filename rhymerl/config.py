@@ -152,6 +152,17 @@ class HistoPipeConfig:
     lane_fraction: float = 0.1
     # Once the queue is empty, stragglers migrate to instances that ran dry (re-prefilled).
     migrate: bool = True
+    # Rollout dispatch through the live scheduler (requests admitted per instance as slots
+    # free, moved between engines); false = each instance runs its planned share in one call.
+    live: bool = True
+    live_policy: Literal["histopipe", "least_loaded", "random"] = "histopipe"
+    # Also roll each step out under the other live policies first (responses discarded):
+    # their bubbles, measured on the same prompts in the same run. Triples rollout time.
+    compare_baselines: bool = False
+    # Seconds each engine steps between two exchanges of progress between ranks.
+    slice_s: float = 0.05
+    # Cost-model calibration file (empty: the shipped roofline file); refitted live from engine steps.
+    calibration: str = ""
 
 
 @dataclass
@@ -485,6 +496,7 @@ def check_static(cfg: RunConfig) -> None:
     _require(cfg.histopipe.straggler_z > 0, "histopipe.straggler_z", "must be > 0")
     _require(cfg.histopipe.lane_batch >= 1, "histopipe.lane_batch", "must be >= 1")
     _require(0 < cfg.histopipe.lane_fraction <= 1, "histopipe.lane_fraction", "must be in (0, 1]")
+    _require(cfg.histopipe.slice_s > 0, "histopipe.slice_s", "must be > 0")
     _require(0 <= cfg.histopipe.decay <= 1, "histopipe.decay", "must be in [0, 1]")
     _require(a.lr > 0, "algo.lr", "must be > 0")
     _require(a.eps_low >= 0 and a.eps_high >= 0, "algo.eps_low", "clip ranges must be >= 0")

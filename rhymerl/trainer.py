@@ -99,9 +99,10 @@ class Trainer:
         self.num_instances = comm.world_size
         if cfg.histopipe.enabled:
             self.planner = HistoPipePlanner(cfg.histopipe, self.num_instances, cfg.rollout.max_num_seqs)
-            # Not silent: these keys shape the scheduler policy, which only the simulator drives so far.
-            log.warning("histopipe: the rollout dispatches the planner's static plan; histopipe.probe, straggler_z, "
-                        "lanes, lane_batch, lane_fraction and migrate act in `simulate histopipe` only")
+            if not cfg.histopipe.live:
+                log.warning("histopipe.live is false: the rollout dispatches the planner's static plan; the scheduler "
+                            "keys (probe, straggler_z, lanes*, migrate, live_policy, compare_baselines, slice_s, "
+                            "calibration) act in `simulate histopipe` only")
         else:
             self.planner = NoopPlanner(self.num_instances)
 
@@ -159,6 +160,10 @@ class Trainer:
         from rhymerl.rollout import SamplingSpec
 
         cfg = self.cfg
+        if cfg.histopipe.enabled and cfg.histopipe.live:
+            from rhymerl.histopipe.live import trainer_rollout
+
+            return trainer_rollout(self, batch_indices, epoch)
         t0 = time.perf_counter()
         groups = [PromptGroup(key=self.prompt_keys[i], index=g, prompt_len=len(self.prompt_ids[i]), n=cfg.rollout.n)
                   for g, i in enumerate(batch_indices)]

@@ -315,7 +315,8 @@ class HistoPipePolicy(Policy):
         self.open_lanes: list[int] = []
         self._incoming = [0] * sched.N
         self._pending: list[Move] = []
-        self.max_lanes = max(1, int(self.lane_fraction * sched.N))
+        # Lanes pay only with many instances: a lane takes a whole instance's batch.
+        self.max_lanes = int(self.lane_fraction * sched.N)
         sched.counters.probes = sum(1 for p in self.probe_of if p >= 0)
 
     # -- estimates ----------------------------------------------------------------------
