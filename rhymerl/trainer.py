@@ -99,12 +99,13 @@ class Trainer:
         self.num_instances = comm.world_size
         if cfg.histopipe.enabled:
             self.planner = HistoPipePlanner(cfg.histopipe, self.num_instances, cfg.rollout.max_num_seqs)
-            if not cfg.histopipe.live:
-                log.warning("histopipe.live is false: the rollout dispatches the planner's static plan; the scheduler "
-                            "keys (probe, straggler_z, lanes*, migrate, live_policy, compare_baselines, slice_s, "
-                            "calibration) act in `simulate histopipe` only")
         else:
             self.planner = NoopPlanner(self.num_instances)
+        from rhymerl.histopipe.live import unused_keys
+
+        for key in unused_keys(cfg.histopipe):
+            log.warning("%s is set but not used (histopipe.enabled=%s, histopipe.live=%s)", key,
+                        cfg.histopipe.enabled, cfg.histopipe.live)
 
         # Log-probs at the sampling temperature: the distribution the responses came from.
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0

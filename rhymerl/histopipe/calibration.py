@@ -49,31 +49,35 @@ def save(path: str | Path, cost: DecodeCostModel, source: str, extra: Optional[d
 
 
 class StepCostFit:
-    """Least-squares fit of step_time = a + b*B + c*K from observed engine steps."""
+    """Least-squares fit of step_time = a + b*B + c*K + p*F from observed engine steps
+    (B running sequences, K their context tokens, F prompt tokens prefilled in the step)."""
 
     def __init__(self, prior: DecodeCostModel, max_samples: int = 4096):
         self.prior = prior
-        self.rows: list[tuple[float, float, float]] = []
+        self.rows: list[tuple[float, float, float, float]] = []
         self.max_samples = max_samples
 
-    def add(self, batch: int, context_tokens: int, seconds: float) -> None:
+    def add(self, batch: int, context_tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
         if batch > 0 and seconds > 0:
-            self.rows.append((float(batch), float(context_tokens), float(seconds)))
+            self.rows.append((float(batch), float(context_tokens), float(prefill_tokens), float(seconds)))
             if len(self.rows) > self.max_samples:
                 del self.rows[: len(self.rows) - self.max_samples]
 
     def fit(self) -> DecodeCostModel:
-        """The prior until the samples span enough batch sizes; coefficients kept >= 0."""
+        """The prior until the samples span enough batch sizes; coefficients kept >= 0 (a
+        term the samples cannot identify, or that fits negative, is dropped and the rest refitted)."""
         if len(self.rows) < 8 or len({r[0] for r in self.rows}) < 3:
             return self.prior
-        X = np.array([[1.0, r[0], r[1]] for r in self.rows])
-        y = np.array([r[2] for r in self.rows])
-        coef = np.linalg.lstsq(X, y, rcond=None)[0]
-        if coef[2] < 0:  # context term not identifiable from these samples: fit a + b*B
-            coef2 = np.linalg.lstsq(X[:, :2], y, rcond=None)[0]
-            coef = np.array([coef2[0], coef2[1], 0.0])
-        if coef[1] < 0:
-            coef = np.array([float(np.mean(y - coef[2] * X[:, 2])), 0.0, coef[2]])
-        a = max(float(coef[0]), 1e-6)
-        return DecodeCostModel(a=a, b=max(0.0, float(coef[1])), c=max(0.0, float(coef[2])), p=self.prior.p,
+        A = np.array([[1.0, r[0], r[1], r[2]] for r in self.rows])
+        y = np.array([r[3] for r in self.rows])
+        cols = [0, 1, 2, 3] if A[:, 3].any() else [0, 1, 2]
+        while True:
+            coef = np.linalg.lstsq(A[:, cols], y, rcond=None)[0]
+            neg = [c for c, v in zip(cols, coef) if v < 0 and c != 0]
+            if not neg:
+                break
+            cols.remove(neg[0])
+        full = dict(zip(cols, coef))
+        return DecodeCostModel(a=max(float(full.get(0, 0.0)), 1e-6), b=float(full.get(1, 0.0)),
+                               c=float(full.get(2, 0.0)), p=float(full[3]) if 3 in full else self.prior.p,
                                max_batch=self.prior.max_batch, kv_capacity=self.prior.kv_capacity)

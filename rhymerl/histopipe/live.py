@@ -54,7 +54,7 @@ class LiveOutcome:
     stragglers: int
     probes: int
     rounds: int
-    step_samples: list = field(default_factory=list)  # (B, K, seconds) from every rank
+    step_samples: list = field(default_factory=list)  # (B, K, seconds, prefill tokens) from every rank
     forwards: list[int] = field(default_factory=list)  # per request: engine steps that emitted its tokens
 
     @property
@@ -63,6 +63,24 @@ class LiveOutcome:
         if self.makespan_s <= 0 or n == 0:
             return 0.0
         return max(0.0, 1.0 - sum(self.busy_s) / (n * self.makespan_s))
+
+
+# Keys only one dispatch mode reads: the planner's (static plan) and the live scheduler's.
+PLANNER_KEYS = ("num_groups", "split_groups", "tier2")
+SCHEDULER_KEYS = ("probe", "straggler_z", "lanes", "lane_batch", "lane_fraction", "migrate", "live_policy",
+                  "compare_baselines", "slice_s", "calibration")
+
+
+def unused_keys(cfg: Any) -> list[str]:
+    """``histopipe.*`` keys set away from their defaults that the configured dispatch mode
+    does not read (the trainer reports them at start-up instead of ignoring them silently)."""
+    from dataclasses import fields
+
+    if not cfg.enabled:
+        return [f"histopipe.{f.name}" for f in fields(cfg) if f.name != "enabled" and getattr(cfg, f.name) != f.default]
+    idle = PLANNER_KEYS if cfg.live else SCHEDULER_KEYS
+    defaults = {f.name: f.default for f in fields(cfg)}
+    return [f"histopipe.{k}" for k in idle if getattr(cfg, k) != defaults[k]]
 
 
 def continuation_seed(run_seed: int, step: int, group: int, sample: int, admission: int) -> int:
@@ -113,6 +131,7 @@ class LiveRollout:
         reason: list[Optional[str]] = [None] * R
         admissions = [0] * R
         fwd = [0] * R
+        fresh = self._fresh = set()  # admitted since the last engine step: prefilled in the next
         vid_of: dict[str, int] = {}  # this rank's vLLM request id -> request
         running: set[int] = set()  # requests on this rank's engine
         busy = 0.0
@@ -143,12 +162,14 @@ class LiveRollout:
             while running and time.perf_counter() - t_round < self.slice_s:
                 B = len(running)
                 K = sum(len(reqs[r].prompt) + len(tokens[r]) for r in running)
+                F = sum(len(reqs[r].prompt) + len(tokens[r]) for r in running if r in fresh)
+                fresh.clear()
                 ts = time.perf_counter()
                 deltas = self.engine.step_deltas()
                 dt = time.perf_counter() - ts
                 busy += dt
                 if len(samples) < 4096:
-                    samples.append((B, K, dt))
+                    samples.append((B, K, dt, F))
                 for vid, toks, lp, why, done in deltas:
                     r = vid_of.get(vid)
                     if r is None:
@@ -210,8 +231,8 @@ class LiveRollout:
             fwd_all = [a + b for a, b in zip(fwd_all, fw)]
             for r, (tk, lp, why) in part.items():
                 out_t[r], out_l[r], out_r[r] = list(tk), list(lp), why
-        for B, K, dt in all_samples:
-            self.fit.add(B, K, dt)
+        for B, K, dt, F in all_samples:
+            self.fit.add(B, K, dt, F)
         k = sched.counters
         return LiveOutcome(out_t, out_l, out_r, makespan, [b for _, b, _, _ in busy_all], k.migrated, k.preempted,
                            k.stragglers, k.probes, rounds, all_samples, fwd_all)
@@ -229,6 +250,7 @@ class LiveRollout:
                            continuation_seed(run_seed, step, q.group, q.sample, k), q.key, f"{step}:{q.group}")
         vid_of[vid] = r
         running.add(r)
+        self._fresh.add(r)
 
 
 def trainer_rollout(tr: Any, batch_indices: list[int], epoch: int) -> tuple[list, dict]:

@@ -133,3 +133,12 @@ def test_zero_correlation_not_much_worse_than_least_loaded():
     hp = run_scheduler("histopipe", w, 16, cost, cfg)
     ll = run_scheduler("least_loaded", w, 16, cost, cfg)
     assert hp.makespan_s <= 1.05 * ll.makespan_s
+
+
+def test_keys_the_dispatch_mode_does_not_read_are_reported():
+    from rhymerl.histopipe.live import unused_keys
+
+    assert unused_keys(HistoPipeConfig()) == []
+    assert unused_keys(HistoPipeConfig(num_groups=8)) == ["histopipe.num_groups"]  # live: the planner is unused
+    assert unused_keys(HistoPipeConfig(live=False, num_groups=8, lanes=False)) == ["histopipe.lanes"]
+    assert unused_keys(HistoPipeConfig(enabled=False, probe=False)) == ["histopipe.probe"]

@@ -136,7 +136,10 @@ def test_calibration_file_and_step_cost_fit(tmp_path):
             fit.add(B, K, true.step_time(B, K))
     got = fit.fit()
     assert got.a == pytest.approx(0.01, rel=1e-6) and got.b == pytest.approx(0.002, rel=1e-6)
-    assert got.c == pytest.approx(1e-6, rel=1e-6)
+    assert got.c == pytest.approx(1e-6, rel=1e-6) and got.p == 1e-4  # no prefill seen: the prior's
+    for B, F in ((2, 300), (5, 40), (7, 1000)):
+        fit.add(B, 1000, true.step_time(B, 1000) + 3e-4 * F, prefill_tokens=F)
+    assert fit.fit().p == pytest.approx(3e-4, rel=1e-6)
     calibration.save(tmp_path / "cal.json", got, "fitted in a test")
     assert calibration.load(tmp_path / "cal.json")[1] == "fitted in a test"
     (tmp_path / "bad.json").write_text('{"source": "x", "cost": {"a": -1}}')
