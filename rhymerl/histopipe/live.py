@@ -213,9 +213,10 @@ class LiveRollout:
                     if mv.dst == me:
                         self._submit(reqs[mv.rid], mv.rid, tokens, admissions, vid_of, running, sampling, run_seed,
                                      step, tag)
-                log.info("histopipe live [%s]: round %d: %d move(s): %s", tag, rounds, len(moves),
-                         ", ".join(f"req {m.rid} {m.src}->{'queue' if m.dst < 0 else m.dst} at {len(tokens[m.rid])} tok"
-                                   for m in moves))
+                if me == 0:
+                    log.info("histopipe live [%s]: round %d: %d move(s): %s", tag, rounds, len(moves),
+                             ", ".join(f"req {m.rid} {m.src}->{'queue' if m.dst < 0 else m.dst} at "
+                                       f"{len(tokens[m.rid])} tok" for m in moves))
             admit_all()
         makespan = time.perf_counter() - t0
         # Finished responses are complete on the rank that finished them; share them.
@@ -247,7 +248,7 @@ class LiveRollout:
         vid = f"{tag}:{step}:{r}:{k}"
         spec = replace(sampling, max_tokens=max(1, sampling.max_tokens - len(prefix)))
         self.engine.submit(vid, list(q.prompt) + list(prefix), spec,
-                           continuation_seed(run_seed, step, q.group, q.sample, k), q.key, f"{step}:{q.group}")
+                           continuation_seed(run_seed, step, q.group, q.sample, k), q.key, f"{tag}:{step}:{q.group}")
         vid_of[vid] = r
         running.add(r)
         self._fresh.add(r)
@@ -285,22 +286,33 @@ def trainer_rollout(tr: Any, batch_indices: list[int], epoch: int) -> tuple[list
     spec = SamplingSpec(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                         max_tokens=cfg.rollout.max_tokens)
     metrics: dict = {}
-    names = [p for p in LIVE_POLICIES if p != hp.live_policy] if hp.compare_baselines else []
-    for name in names + [hp.live_policy]:
+    names = [hp.live_policy]
+    if hp.compare_baselines:
+        # Rotated each step so that no policy always runs first (cold caches) or last.
+        names = [LIVE_POLICIES[(tr.step + j) % len(LIVE_POLICIES)] for j in range(len(LIVE_POLICIES))]
+    kept = None
+    for name in names:
         pol = make_live_policy(name, groups, tr.comm.world_size, tr.step, prior_log, tr.predictor, live.cost, hp,
                                cfg.rollout.max_tokens)
+        # Each policy starts from the same engine state: no prompt KV cached by an earlier run.
+        tr.engine.llm.reset_prefix_cache()
         d0 = tr.engine.drafter_counts()
-        out = live.run(reqs, pol, spec, cfg.run.seed, tr.step, name)
+        res = live.run(reqs, pol, spec, cfg.run.seed, tr.step, name)
         d1 = tr.engine.drafter_counts()
-        metrics[f"histopipe/bubble_{name}"] = out.bubble_fraction
-        metrics[f"histopipe/makespan_{name}_s"] = out.makespan_s
-        log.info("histopipe live step %d policy %s: makespan %.3f s, bubble %.3f, moves %d, preempted %d, "
-                 "stragglers %d, probes %d, rounds %d", tr.step, name, out.makespan_s, out.bubble_fraction, out.moves,
-                 out.preempted, out.stragglers, out.probes, out.rounds)
+        if name == hp.live_policy:
+            kept, drafted = res, d1[0] - d0[0]
+        out = res
+        metrics[f"histopipe/bubble_{name}"] = res.bubble_fraction
+        metrics[f"histopipe/makespan_{name}_s"] = res.makespan_s
+        if tr.comm.rank == 0:
+            log.info("histopipe live step %d policy %s: makespan %.3f s, bubble %.3f, moves %d, preempted %d, "
+                     "stragglers %d, probes %d, rounds %d", tr.step, name, res.makespan_s, res.bubble_fraction,
+                     res.moves, res.preempted, res.stragglers, res.probes, res.rounds)
+    out = kept
     cost = live.cost
     gen = sum(len(t) for t in out.token_ids)
     fwd = sum(out.forwards)
-    proposed = tr.comm.all_gather_object(d1[0] - d0[0])
+    proposed = tr.comm.all_gather_object(drafted)
     lens: dict[int, list[int]] = {}
     samples = []
     for q, toks, lp, why in zip(reqs, out.token_ids, out.logprobs, out.finish_reason):

@@ -341,9 +341,12 @@ class HistoPipePolicy(Policy):
 
     def on_finish(self, rid: int, length: int) -> None:
         g = self.s.group_of[rid]
-        self.obs_n[g] += 1
-        self.obs_sum[g] += math.log(max(1, length))
-        self._update(g)
+        # Only the probe's length is an unbiased sample: the siblings that finish first are
+        # the short ones, and learning from them would push the group's long tail back.
+        if rid == self.probe_of[g]:
+            self.obs_n[g] += 1
+            self.obs_sum[g] += math.log(max(1, length))
+            self._update(g)
         if rid in self.straggling:
             self.straggling.discard(rid)
             self._leave(rid, self.s.where[rid])
