@@ -137,20 +137,35 @@ class HistoSpecConfig:
 @dataclass
 class HistoPipeConfig:
     enabled: bool = True
-    # Length groups for the tier-2 alternating order.
+    # Length groups for the planner's "paper" tier-2 variant.
     num_groups: int = 4
-    straggler_fraction: float = 0.1
-    straggler_threshold: float = 1.5
-    allow_defer: bool = False
     # Decay of older epochs' lengths in the predictor.
     decay: float = 0.5
     split_groups: Literal["auto", "never", "always"] = "auto"
-    # Tier-2 order: longest-predicted-first (measured best) or the paper's odd/even alternation.
+    # Planner tier-2 order: longest-predicted-first (measured best) or the paper's odd/even alternation.
     tier2: Literal["lpf", "paper"] = "lpf"
-    # Rebalance queued-not-started requests across instances at scheduling points.
-    rebalance: bool = True
-    # Migrate stragglers to idle instances within the step (re-prefilling their tokens).
+    # Scheduler policy (histopipe.scheduler.HistoPipePolicy), simulated and live:
+    # one probe sample per group runs first; its length updates the group's estimate.
+    probe: bool = True
+    # A running response is a straggler past exp(log-mean + z * within-group sigma) tokens.
+    straggler_z: float = 2.0
+    # Stragglers are gathered on lanes: instances running only stragglers, in small batches.
+    lanes: bool = True
+    lane_batch: int = 8
+    lane_fraction: float = 0.1
+    # Once the queue is empty, stragglers migrate to instances that ran dry (re-prefilled).
     migrate: bool = True
+    # Rollout dispatch through the live scheduler (requests admitted per instance as slots
+    # free, moved between engines); false = each instance runs its planned share in one call.
+    live: bool = True
+    live_policy: Literal["histopipe", "least_loaded", "random"] = "histopipe"
+    # Also roll each step out under the other live policies first (responses discarded):
+    # their bubbles, measured on the same prompts in the same run. Triples rollout time.
+    compare_baselines: bool = False
+    # Seconds each engine steps between two exchanges of progress between ranks.
+    slice_s: float = 0.05
+    # Cost-model calibration file (empty: the shipped roofline file); refitted live from engine steps.
+    calibration: str = ""
 
 
 @dataclass
@@ -607,7 +622,10 @@ def check_static(cfg: RunConfig) -> None:
     _require(0 < h.adaptive_conf <= 1, "histospec.adaptive_conf", "must be in (0, 1]")
     _require(h.tree_nodes >= 1, "histospec.tree_nodes", "must be >= 1")
     _require(cfg.histopipe.num_groups >= 1, "histopipe.num_groups", "must be >= 1")
-    _require(0 < cfg.histopipe.straggler_fraction < 1, "histopipe.straggler_fraction", "must be in (0, 1)")
+    _require(cfg.histopipe.straggler_z > 0, "histopipe.straggler_z", "must be > 0")
+    _require(cfg.histopipe.lane_batch >= 1, "histopipe.lane_batch", "must be >= 1")
+    _require(0 < cfg.histopipe.lane_fraction <= 1, "histopipe.lane_fraction", "must be in (0, 1]")
+    _require(cfg.histopipe.slice_s > 0, "histopipe.slice_s", "must be > 0")
     _require(0 <= cfg.histopipe.decay <= 1, "histopipe.decay", "must be in [0, 1]")
     _require(a.lr > 0, "algo.lr", "must be > 0")
     _require(a.eps_low >= 0 and a.eps_high >= 0, "algo.eps_low", "clip ranges must be >= 0")

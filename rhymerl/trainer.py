@@ -103,6 +103,11 @@ class Trainer:
             self.planner = HistoPipePlanner(cfg.histopipe, self.num_instances, cfg.rollout.max_num_seqs)
         else:
             self.planner = NoopPlanner(self.num_instances)
+        from rhymerl.histopipe.live import unused_keys
+
+        for key in unused_keys(cfg.histopipe):
+            log.warning("%s is set but not used (histopipe.enabled=%s, histopipe.live=%s)", key,
+                        cfg.histopipe.enabled, cfg.histopipe.live)
 
         # Log-probs at the sampling temperature: the distribution the responses came from.
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
@@ -178,6 +183,10 @@ class Trainer:
         from rhymerl.rollout import SamplingSpec
 
         cfg = self.cfg
+        if cfg.histopipe.enabled and cfg.histopipe.live:
+            from rhymerl.histopipe.live import trainer_rollout
+
+            return trainer_rollout(self, batch_indices, epoch)
         t0 = time.perf_counter()
         groups = [PromptGroup(key=self.prompt_keys[i], index=g, prompt_len=len(self.prompt_ids[i]), n=cfg.rollout.n)
                   for g, i in enumerate(batch_indices)]

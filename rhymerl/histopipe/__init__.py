@@ -1,10 +1,11 @@
-"""HistoPipe: history-aware two-tier rollout scheduling (length predictor, cost model,
-planner, runtime dispatcher) and the cluster simulator that measures it."""
+"""HistoPipe: history-aware rollout scheduling (length predictor, cost model and its
+calibration, planner, the scheduler state machine with its policies) and the cluster
+simulator that drives the same scheduler."""
 
 from rhymerl.histopipe.cost import DecodeCostModel
-from rhymerl.histopipe.dispatch import PlanDispatcher, is_straggler
 from rhymerl.histopipe.planner import HistoPipePlanner, NoopPlanner, Plan, PromptGroup
 from rhymerl.histopipe.predictor import LengthPredictor
+from rhymerl.histopipe.scheduler import HistoPipePolicy, Move, Policy, PriorityPolicy, Scheduler, StaticPolicy
 
-__all__ = ["DecodeCostModel", "HistoPipePlanner", "LengthPredictor", "NoopPlanner", "Plan", "PlanDispatcher",
-           "PromptGroup", "is_straggler"]
+__all__ = ["DecodeCostModel", "HistoPipePlanner", "HistoPipePolicy", "LengthPredictor", "Move", "NoopPlanner", "Plan",
+           "Policy", "PriorityPolicy", "PromptGroup", "Scheduler", "StaticPolicy"]

@@ -16,7 +16,8 @@ Tier 2 has two variants (``tier2``):
   binary search over the groups' time curves so that their finish times line up (long
   groups get more instances); inside an instance requests run in ascending length order on
   odd steps and descending on even steps.
-``python -m rhymerl simulate histopipe --tier2-compare`` measures the two side by side.
+The trainer dispatches this plan statically; the simulator schedules with
+``scheduler.HistoPipePolicy`` (live dispatch through it is not wired into the trainer yet).
 """
 
 from __future__ import annotations

@@ -8,19 +8,28 @@ Schedulers, all on the same workload and cost model:
 - round_robin: groups dealt to instances in dataset order (``NoopPlanner``);
 - least_loaded: one central queue; an instance pulls the next request whenever a batch
   slot frees (least-loaded by count, dynamic);
-- histopipe: ``HistoPipePlanner`` on the ``LengthPredictor``'s estimates (trained online on
-  the earlier epochs), plus runtime correction (queue stealing and straggler migration);
-- oracle: knows every response's true length: per-request LPT placement by true work,
-  longest first, rebalanced by true work at runtime; the practical limit.
+- histopipe: ``scheduler.HistoPipePolicy`` (the policy the trainer runs) primed with the
+  ``LengthPredictor``'s estimates (trained online on the earlier epochs): probes, online
+  group estimates, straggler lanes and migration;
+- oracle: knows every response's true length: one central longest-work-first queue; the
+  practical limit.
+
+Every scheduler is a policy of ``scheduler.Scheduler`` driven by ``engine.simulate``.
+The cost model comes from a calibration file (``calibration``; its source is printed), and
+the projection rows combine it with HistoSpec's tokens per forward by position
+(``spec_profile``) for {no speculation, HistoSpec} x {random/least-loaded, HistoPipe}.
 
 ``--json`` prints {"results": [{"gpus", "scheduler", "makespan_s", "bubble_fraction",
-"ratio_to_oracle"}]} on stdout; tables go to stderr.
+"ratio_to_oracle", "shuffled"}], "calibration": str, "projection": {"label", "calibration",
+"speculation", "rows": [{"gpus", "config", "makespan_s", "bubble_fraction",
+"speedup_vs_least_loaded"}]}} on stdout; tables go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Optional
@@ -28,11 +37,14 @@ from typing import Optional
 import numpy as np
 
 from rhymerl.config import HistoPipeConfig
+from rhymerl.histopipe import calibration, spec_profile
 from rhymerl.histopipe.cost import DecodeCostModel
-from rhymerl.histopipe.engine import Runtime, SimResult, simulate
-from rhymerl.histopipe.planner import HistoPipePlanner, NoopPlanner, Plan, lpt
+from rhymerl.histopipe.engine import SimResult, simulate
+from rhymerl.histopipe.planner import NoopPlanner, Plan
+from rhymerl.histopipe.scheduler import HistoPipePolicy, Policy, PriorityPolicy, StaticPolicy
+from rhymerl.histopipe.spec_profile import SpecProfile
 from rhymerl.histopipe.predictor import LengthPredictor
-from rhymerl.histopipe.workload import Workload, from_trace, synthetic, tile
+from rhymerl.histopipe.workload import Workload, from_trace, reorder, synthetic, tile
 from rhymerl.traces import TraceError
 
 SCHEDULERS = ("random", "round_robin", "least_loaded", "histopipe", "oracle")
@@ -68,54 +80,42 @@ def predictor_error(w: Workload, pred: dict[int, float]) -> dict:
             "spearman": rank_corr}
 
 
-def run_scheduler(
-    name: str,
-    w: Workload,
-    num_instances: int,
-    cost: DecodeCostModel,
-    cfg: HistoPipeConfig,
-    seed: int = 0,
-    pred: Optional[dict[int, float]] = None,
-    tier2: Optional[str] = None,
-    step: int = 1,
-    runtime: Optional[Runtime] = None,
-) -> SimResult:
+def histopipe_policy(w: Workload, cost: DecodeCostModel, cfg: HistoPipeConfig, pr: LengthPredictor) -> HistoPipePolicy:
+    """The live trainer's policy, primed with the predictor's history-based estimates."""
+    prior = [pr.predict_log(g.key, w.history.get(g.key)) for g in w.groups]
+    return HistoPipePolicy.from_config(cfg, prior, pr, cost, max_tokens=w.max_tokens)
+
+
+def make_policy(name: str, w: Workload, num_instances: int, cost: DecodeCostModel, cfg: HistoPipeConfig,
+                seed: int = 0, pr: Optional[LengthPredictor] = None, step: int = 1) -> Policy:
     N = num_instances
-    L = w.lengths
-    P = w.prompt_lens()
-    G = w.group_of()
     if name == "random":
         rng = np.random.default_rng(seed + 17)
         order = rng.permutation(len(w.groups))
         chunks = np.array_split(order, N)
-        queues = [[int(r) for g in ch for r in range(w.offsets[g], w.offsets[g + 1])] for ch in chunks]
-        return simulate(cost, N, L, P, G, queues=queues)
+        return StaticPolicy([[int(r) for g in ch for r in range(w.offsets[g], w.offsets[g + 1])] for ch in chunks], "random")
     if name == "round_robin":
         plan = NoopPlanner(N).plan(step, w.groups)
-        return simulate(cost, N, L, P, G, queues=plan_queues(w, plan))
+        return StaticPolicy(plan_queues(w, plan), "round_robin")
     if name == "least_loaded":
-        return simulate(cost, N, L, P, G, central=list(range(w.num_requests)))
+        return Policy()
     if name == "histopipe":
-        if pred is None:
-            pred = predictions(w, trained_predictor(w, cfg))
-        planner = HistoPipePlanner(cfg, N, cost.max_batch, cost=cost, tier2=tier2)
-        plan = planner.plan_lengths(step, w.groups, pred)
-        per_req = np.repeat(np.array([pred[g.index] for g in w.groups]), np.diff(w.offsets))
-        rt = runtime or Runtime(steal=cfg.rebalance, migrate=cfg.migrate, allow_defer=cfg.allow_defer,
-                                straggler_fraction=cfg.straggler_fraction, straggler_threshold=cfg.straggler_threshold)
-        prio = -per_req if plan.info.get("ascending") else per_req
-        return simulate(cost, N, L, P, G, queues=plan_queues(w, plan), predicted=per_req, runtime=rt, priority=prio)
+        return histopipe_policy(w, cost, cfg, pr if pr is not None else trained_predictor(w, cfg))
     if name == "oracle":
-        works = [cost.request_work(float(x), float(pl), prefill=True) for x, pl in zip(L.tolist(), P.tolist())]
-        where, _ = lpt(works, N)
-        queues: list[list[int]] = [[] for _ in range(N)]
-        for r in sorted(range(len(works)), key=lambda r: -works[r]):
-            queues[where[r]].append(r)
-        # Rebalancing by true work on top of the LPT placement absorbs what the work
-        # estimate gets wrong about batching; it measured at least as good as static LPT
-        # and as one global longest-first queue.
-        return simulate(cost, N, L, P, G, queues=queues, predicted=L, priority=works, runtime=Runtime(steal=True))
+        # Knows every response's length: one central longest-work-first queue.
+        P = w.prompt_lens()
+        return PriorityPolicy([cost.request_work(float(x), float(pl)) for x, pl in zip(w.lengths.tolist(), P.tolist())], "oracle")
     raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")
+
+
+def run_scheduler(name: str, w: Workload, num_instances: int, cost: DecodeCostModel, cfg: HistoPipeConfig,
+                  seed: int = 0, pr: Optional[LengthPredictor] = None, spec: Optional[SpecProfile] = None) -> SimResult:
+    pol = make_policy(name, w, num_instances, cost, cfg, seed=seed, pr=pr)
+    tps = extra = None
+    if spec is not None:
+        tps, extra = spec.per_request(w.lengths)
+    return simulate(cost, num_instances, w.lengths, w.prompt_lens(), w.group_of(), pol, tokens_per_step=tps,
+                    verify_cost=cost.b if spec is not None else 0.0, draft_tokens=extra)
 
 
 def lower_bound(w: Workload, num_instances: int, cost: DecodeCostModel) -> float:
@@ -159,15 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--corr", type=float, default=0.9, help="epoch-to-epoch correlation of prompt lengths (synthetic)")
     ap.add_argument("--sigma-sample", type=float, default=0.45, help="lognormal spread of lengths inside a group (synthetic)")
     ap.add_argument("--epochs", type=int, default=3, help="epochs in the synthetic trace (last = the simulated step)")
-    ap.add_argument("--max-batch", type=int, default=64, help="per-instance max running sequences")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt length when the trace has no prompt_token_ids")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tier2", choices=["lpf", "paper"], default=None, help="HistoPipe tier-2 variant (default: histopipe.tier2 or lpf)")
-    ap.add_argument("--tier2-compare", action="store_true", help="also measure tier-2 'paper' vs 'lpf' on an odd and an even step (stderr)")
+    ap.add_argument("--shuffle", action="store_true", help="shuffle the step's prompt order (dataset order otherwise)")
+    ap.add_argument("--calibration", default=None, help="cost-model calibration JSON (default: the shipped roofline file)")
+    ap.add_argument("--spec-trace", default=None, help="measure HistoSpec's tokens per forward by position on this trace "
+                    "(default: the calibration file's speculation profile)")
+    ap.add_argument("--no-projection", action="store_true", help="skip the speculation x scheduling projection rows")
     ap.add_argument("--genie", action="store_true", help="also run HistoPipe given the true per-group mean lengths (stderr): "
                     "separates predictor error from the unpredictable spread inside a group")
-    ap.add_argument("--allow-defer", action="store_true", help="let HistoPipe defer stragglers to the next step (off-policy; counted)")
     return ap
+
+
+def _shuffled(w: Workload, seed: int) -> Workload:
+    perm = np.random.default_rng(seed + 101).permutation(len(w.groups))
+    return reorder(w, perm.tolist())
 
 
 def main(argv: list[str]) -> int:
@@ -185,12 +191,14 @@ def main(argv: list[str]) -> int:
         if g % args.tp:
             print(f"simulate histopipe: --gpus {g} is not a multiple of --tp {args.tp}", file=sys.stderr)
             return 2
-    cfg = HistoPipeConfig(allow_defer=args.allow_defer)
-    if args.tier2:
-        cfg_tier2 = args.tier2
-    else:
-        cfg_tier2 = getattr(cfg, "tier2", "lpf")
-    cost = DecodeCostModel.for_instance(tp=args.tp, max_batch=args.max_batch)
+    cfg = HistoPipeConfig()
+    try:
+        cost, cal_source, cal = calibration.load(args.calibration)
+        spec = spec_profile.measure(args.spec_trace) if args.spec_trace else \
+            (SpecProfile.from_dict(cal["speculation"]) if "speculation" in cal else None)
+    except (ValueError, TraceError) as e:
+        print(f"simulate histopipe: {e}", file=sys.stderr)
+        return 2
     base: Optional[Workload] = None
     if args.trace != "synthetic":
         try:
@@ -200,9 +208,14 @@ def main(argv: list[str]) -> int:
             return 2
 
     results = []
+    projection = []
     err = sys.stderr
-    print(f"HistoPipe cluster simulator: tp={args.tp}, max_batch={args.max_batch}, kv_capacity={cost.kv_capacity} tokens/instance, "
-          f"step_time = {cost.a * 1e3:.2f} ms + {cost.b * 1e6:.1f} us*B + {cost.c * 1e9:.1f} ns*K", file=err)
+    print(f"HistoPipe cluster simulator: tp={args.tp}, max_batch={cost.max_batch}, kv_capacity={cost.kv_capacity} tokens/instance, "
+          f"step_time = {cost.a * 1e3:.2f} ms + {cost.b * 1e6:.1f} us*B + {cost.c * 1e9:.1f} ns*K\n"
+          f"calibration: {cal_source}", file=err)
+    if spec is not None:
+        print(f"speculation profile: {spec.source}; tokens/forward by position "
+              + ", ".join(f">={e}: {t:.2f}" for e, t in zip(spec.edges, spec.tokens_per_forward)), file=err)
     for g in gpus:
         N = g // args.tp
         num_groups = max(1, int(round(args.prompts_per_instance * N)))
@@ -211,41 +224,58 @@ def main(argv: list[str]) -> int:
             w = synthetic(num_groups, n=args.n, epochs=args.epochs, corr=args.corr, max_tokens=args.max_tokens,
                           sigma_sample=args.sigma_sample, seed=args.seed)
         else:
-            w = tile(base, num_groups)
+            w = tile(base, num_groups, seed=args.seed)
+        if args.shuffle:
+            w = _shuffled(w, args.seed)
         pr = trained_predictor(w, cfg)
-        pred = predictions(w, pr)
-        perr = predictor_error(w, pred)
+        perr = predictor_error(w, predictions(w, pr))
         rows = {}
         extra = {}
         for s in names:
             ts = time.perf_counter()
-            res = run_scheduler(s, w, N, cost, cfg, seed=args.seed, pred=pred if s == "histopipe" else None, tier2=cfg_tier2)
-            rows[s] = res
+            rows[s] = run_scheduler(s, w, N, cost, cfg, seed=args.seed, pr=pr)
             extra[s] = time.perf_counter() - ts
-        oracle = rows.get("oracle")
-        if oracle is None:
-            oracle = run_scheduler("oracle", w, N, cost, cfg)
+        oracle = rows.get("oracle") or run_scheduler("oracle", w, N, cost, cfg)
         lb = lower_bound(w, N, cost)
         print(f"\n== {g} GPUs ({N} instances of {args.tp}), {len(w.groups)} prompts x n, {w.num_requests} responses, "
-              f"{w.source}; sim {time.perf_counter() - t0:.1f}s", file=err)
+              f"{w.source}{', shuffled' if args.shuffle else ''}; sim {time.perf_counter() - t0:.1f}s", file=err)
         print(f"   predictor on this step: mean |err|/len {perr['mean_abs_rel_error']:.3f}, median {perr['median_abs_rel_error']:.3f}, "
               f"rank corr {perr['spearman']:.3f}, learnt beta {pr.beta:.2f}; lower bound {lb:.1f}s", file=err)
-        print(f"   {'scheduler':<13}{'makespan_s':>11}{'bubble':>8}{'x oracle':>9}{'stolen':>8}{'migrated':>9}{'deferred':>9}{'wall_s':>7}", file=err)
+        print(f"   {'scheduler':<13}{'makespan_s':>11}{'bubble':>8}{'x oracle':>9}{'probes':>8}{'stragglers':>11}"
+              f"{'migrated':>9}{'wall_s':>7}", file=err)
         for s in names:
             r = rows[s]
             ratio = r.makespan_s / oracle.makespan_s if oracle.makespan_s > 0 else 1.0
             results.append({"gpus": g, "scheduler": s, "makespan_s": round(r.makespan_s, 3),
-                            "bubble_fraction": round(r.bubble_fraction, 4), "ratio_to_oracle": round(ratio, 4)})
-            print(f"   {s:<13}{r.makespan_s:>11.1f}{r.bubble_fraction:>8.3f}{ratio:>9.3f}{r.stolen:>8}{r.migrated:>9}{r.deferred:>9}{extra[s]:>7.1f}", file=err)
+                            "bubble_fraction": round(r.bubble_fraction, 4), "ratio_to_oracle": round(ratio, 4),
+                            "shuffled": bool(args.shuffle)})
+            print(f"   {s:<13}{r.makespan_s:>11.1f}{r.bubble_fraction:>8.3f}{ratio:>9.3f}{r.probes:>8}{r.stragglers:>11}"
+                  f"{r.migrated:>9}{extra[s]:>7.1f}", file=err)
         if args.genie:
-            gm = run_scheduler("histopipe", w, N, cost, cfg, pred=w.true_group_mean(), tier2=cfg_tier2)
-            print(f"   histopipe with true group means: makespan {gm.makespan_s:.1f}s, x oracle {gm.makespan_s / oracle.makespan_s:.3f}, "
-                  f"bubble {gm.bubble_fraction:.3f}", file=err)
-        if args.tier2_compare:
-            print("   tier 2 (histopipe planner, same runtime correction): makespan_s on an odd / even step", file=err)
-            for variant in ("lpf", "paper"):
-                ms = [run_scheduler("histopipe", w, N, cost, cfg, pred=pred, tier2=variant, step=st).makespan_s for st in (1, 2)]
-                print(f"     {variant:<6} odd {ms[0]:8.1f}  even {ms[1]:8.1f}  sum {sum(ms):8.1f}  x oracle {sum(ms) / (2 * oracle.makespan_s):.3f}", file=err)
+            gm = HistoPipePolicy.from_config(cfg, [math.log(max(1.0, x)) for x in w.true_group_mean().values()], pr, cost,
+                                             max_tokens=w.max_tokens)
+            res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), gm)
+            print(f"   histopipe with true group means: makespan {res.makespan_s:.1f}s, x oracle {res.makespan_s / oracle.makespan_s:.3f}, "
+                  f"bubble {res.bubble_fraction:.3f}", file=err)
+        if spec is not None and not args.no_projection:
+            base_rows = [("random", None), ("least_loaded", None), ("least_loaded", spec), ("histopipe", None), ("histopipe", spec)]
+            labels = ["no speculation + random", "no speculation + least-loaded", "HistoSpec only (least-loaded)",
+                      "HistoPipe only", "HistoSpec + HistoPipe"]
+            ref = None
+            print("   PROJECTION (cost model and speculation profile above, not a measurement): rollout makespan", file=err)
+            for label, (s, sp) in zip(labels, base_rows):
+                r = rows[s] if sp is None and s in rows else run_scheduler(s, w, N, cost, cfg, seed=args.seed, pr=pr, spec=sp)
+                if label == "no speculation + least-loaded":
+                    ref = r.makespan_s
+                projection.append({"gpus": g, "config": label, "makespan_s": round(r.makespan_s, 3),
+                                   "bubble_fraction": round(r.bubble_fraction, 4), "shuffled": bool(args.shuffle)})
+            for row in projection[-len(labels):]:
+                row["speedup_vs_least_loaded"] = round(ref / row["makespan_s"], 4) if row["makespan_s"] > 0 else 1.0
+                print(f"     {row['config']:<32}{row['makespan_s']:>10.1f} s  x{row['speedup_vs_least_loaded']:.2f}", file=err)
     if args.json:
-        print(json.dumps({"results": results}))
+        out = {"results": results, "calibration": cal_source}
+        if projection:
+            out["projection"] = {"label": "projection from the cost model and speculation profile, not a measurement",
+                                 "calibration": cal_source, "speculation": spec.source, "rows": projection}
+        print(json.dumps(out))
     return 0

@@ -120,8 +120,26 @@ def from_trace(path: str | Path, default_prompt_len: int = 256, max_tokens: Opti
     return _build(keys, [plen.get(pid, default_prompt_len) for pid in pids], epochs, mt, f"trace {path}")
 
 
-def tile(w: Workload, num_groups: int) -> Workload:
-    """Repeat a (small) trace's prompts, as distinct prompts, until it has ``num_groups``."""
+def reorder(w: Workload, perm: list[int]) -> Workload:
+    """The same step with its prompts in the order ``perm`` (group i of the result = group perm[i])."""
+    groups, chunks = [], []
+    for i, j in enumerate(perm):
+        g = w.groups[j]
+        groups.append(PromptGroup(key=g.key, index=i, prompt_len=g.prompt_len, n=g.n))
+        chunks.append(w.lengths[w.offsets[j]:w.offsets[j + 1]])
+    offsets = np.zeros(len(groups) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([g.n for g in groups])
+    lengths = np.concatenate(chunks) if chunks else w.lengths[:0]
+    return Workload(groups, lengths, offsets, w.history, w.warmup, w.max_tokens, w.source)
+
+
+def tile(w: Workload, num_groups: int, seed: int = 0) -> Workload:
+    """Repeat a (small) trace's prompts, as distinct prompts, until it has ``num_groups``.
+
+    The copies are interleaved in a seeded random order: repeated in turn, every copy of
+    one long prompt would sit at the same position modulo the trace size, and a
+    round-robin deal would put them all on one instance when the instance count divides it.
+    """
     if len(w.groups) >= num_groups:
         return w
     reps = math.ceil(num_groups / len(w.groups))
@@ -140,4 +158,5 @@ def tile(w: Workload, num_groups: int) -> Workload:
                 epochs[e].append(np.array(pad[e], dtype=np.int64))
             epochs[-1].append(w.lengths[w.offsets[g.index]:w.offsets[g.index + 1]].copy())
     out = _build(keys, pls, epochs, w.max_tokens, w.source + f" tiled x{reps}")
-    return out
+    perm = np.random.default_rng(seed + 7).permutation(len(out.groups)).tolist()
+    return reorder(out, perm)

@@ -405,6 +405,46 @@ class RolloutEngine:
                 self.history.add_group(res.prompt_key, epoch, [r.token_ids for r in res.responses])
         return results
 
+    # -- request-level driving (a scheduler that moves requests between engines) -----------
+    def submit(self, rid: str, prompt: list[int], sampling: SamplingSpec, seed: Optional[int], key: int,
+               group_id: str) -> None:
+        """Add one request; ``key`` is the history key of the original prompt (a migrated
+        request's prompt carries its generated prefix, its key stays the prompt's)."""
+        extra = {"rhymerl_rid": rid, "rhymerl_key": int(key), "rhymerl_group": group_id}
+        self._engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, self._params(sampling, extra, seed))
+
+    def step_deltas(self) -> list[tuple[str, list[int], list[float], Optional[str], bool]]:
+        """One engine step: per request with output, (rid, new tokens, their log-probs,
+        finish reason, finished)."""
+        out = []
+        for ro in self._engine.step():
+            toks: list[int] = []
+            lps: list[float] = []
+            reason = None
+            for c in ro.outputs:
+                toks.extend(c.token_ids)
+                if c.logprobs:
+                    lps.extend(float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs))
+                if c.finish_reason is not None:
+                    reason = c.finish_reason
+            out.append((ro.request_id, toks, lps, reason, bool(ro.finished)))
+            if ro.finished and self.method == "histospec":
+                self._drafter().end_request(ro.request_id, None)
+        return out
+
+    def abort(self, rid: str) -> None:
+        """Stop ``rid``; its tokens so far are what the caller collected from ``step_deltas``."""
+        self._engine.abort_request([rid])
+        if self.method == "histospec":
+            self._drafter().end_request(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def drafter_counts(self) -> tuple[int, int, int, float]:
+        """Cumulative (draft tokens proposed, drafts, drafter calls, drafting seconds)."""
+        return self._meter.snapshot() if self._meter else (0, 0, 0, 0.0)
+
     def _drafter(self) -> Any:
         return self.llm.collective_rpc(_drafter_of)[0]
 

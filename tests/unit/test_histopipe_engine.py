@@ -1,109 +1,144 @@
-"""Property tests of the simulator engine and of HistoPipe against the baselines."""
+"""Property tests of the scheduler state machine, its simulator driver, and HistoPipe
+against the baselines."""
+
+import math
 
 import numpy as np
 import pytest
 
 from rhymerl.config import HistoPipeConfig
 from rhymerl.histopipe import DecodeCostModel
-from rhymerl.histopipe.engine import Runtime, simulate
-from rhymerl.histopipe.simulator import predictions, run_scheduler, trained_predictor
-from rhymerl.histopipe.workload import synthetic
+from rhymerl.histopipe.engine import simulate
+from rhymerl.histopipe.scheduler import HistoPipePolicy, Move, Policy, PriorityPolicy, Scheduler, StaticPolicy
+from rhymerl.histopipe.simulator import run_scheduler, trained_predictor
+from rhymerl.histopipe.workload import reorder, synthetic
 
 pytestmark = pytest.mark.cpu
 
 COST = DecodeCostModel.for_instance(tp=4, max_batch=16)
 
 
-def _check_once(res, R):
-    done = np.isfinite(res.finish_s)
-    assert int((~done).sum()) == res.deferred
-    assert sorted(res.deferred_ids) == sorted(np.flatnonzero(~done).tolist())
-    assert (res.placed_on[done] >= 0).all()
-    assert res.starts == R + res.migrated  # a migrated request is admitted twice, finished once
+def _policies(w, R, N, rng):
+    perm = rng.permutation(R)
+    pred = rng.uniform(2.0, 7.0, len(w.groups))  # deliberately bad estimates: many stragglers
+    yield StaticPolicy([perm[i::N].tolist() for i in range(N)])
+    yield Policy()
+    yield PriorityPolicy(rng.uniform(0, 1, R))
+    yield HistoPipePolicy(pred, 0.3, 0.2, COST, straggler_z=0.5, lane_batch=2, lane_fraction=0.5)
 
 
-@pytest.mark.parametrize("runtime", [Runtime(), Runtime(steal=True), Runtime(steal=True, migrate=True),
-                                     Runtime(steal=True, migrate=True, allow_defer=True, straggler_threshold=1.0)])
-def test_every_request_runs_exactly_once(runtime):
+def test_every_request_runs_exactly_once():
     rng = np.random.default_rng(0)
-    for trial in range(8):
-        N = int(rng.integers(1, 12))
-        w = synthetic(int(rng.integers(1, 40)), n=int(rng.integers(1, 9)), corr=0.5, max_tokens=2048, seed=trial)
+    for trial in range(6):
+        N = int(rng.integers(1, 10))
+        w = synthetic(int(rng.integers(1, 30)), n=int(rng.integers(1, 9)), corr=0.5, max_tokens=2048, seed=trial)
         R = w.num_requests
-        perm = rng.permutation(R)
-        queues = [perm[i::N].tolist() for i in range(N)]
-        pred = rng.uniform(10, 500, R)  # deliberately bad predictions: many stragglers
-        res = simulate(COST, N, w.lengths, w.prompt_lens(), w.group_of(), queues=queues, predicted=pred, runtime=runtime)
-        _check_once(res, R)
-        if not runtime.allow_defer:
-            assert res.deferred == 0 and np.isfinite(res.finish_s).all()
-        assert res.makespan_s > 0 and 0 <= res.bubble_fraction < 1
+        for pol in _policies(w, R, N, rng):
+            res = simulate(COST, N, w.lengths, w.prompt_lens(), w.group_of(), pol)
+            assert np.isfinite(res.finish_s).all() and (res.placed_on >= 0).all()
+            k = pol.s.counters
+            # Every admission is a first start, a migration, or a resumption after preemption.
+            assert res.starts == R + res.migrated + k.preempted
+            assert res.makespan_s > 0 and 0 <= res.bubble_fraction < 1
+            assert all(s == 2 for s in pol.s.state)
 
 
 def test_lost_or_duplicated_requests_are_refused():
     w = synthetic(3, n=2, seed=1)
     args = (COST, 2, w.lengths, w.prompt_lens(), w.group_of())
     with pytest.raises(ValueError, match="dispatched 2 times"):
-        simulate(*args, queues=[[0, 1, 2], [2, 3, 4, 5]])
+        simulate(*args, StaticPolicy([[0, 1, 2], [2, 3, 4, 5]]))
     with pytest.raises(ValueError, match="dispatched 0 times"):
-        simulate(*args, queues=[[0, 1, 2], [3, 4]])
-    with pytest.raises(ValueError, match="exactly one"):
-        simulate(*args)
+        simulate(*args, StaticPolicy([[0, 1, 2], [3, 4]]))
+
+
+def test_state_machine_refuses_impossible_events():
+    s = Scheduler(2, 4, [0, 0, 1], [10, 10, 10], Policy())
+    r = s.next_for(0)
+    s.started(r, 0)
+    with pytest.raises(ValueError, match="started twice"):
+        s.started(r, 1)
+    with pytest.raises(ValueError, match="not running"):
+        s.finished(s.next_for(1), 5)
+    with pytest.raises(ValueError, match="not running on instance 1"):
+        s.migrated(Move(r, 1, 0), 3)
+    s.preempted(r, 3)  # back in the queue, first in line again (dataset order)
+    assert s.next_for(1) == r and s.generated[r] == 3
 
 
 def test_single_request_time_matches_closed_form():
     cm = DecodeCostModel(a=0.01, b=0.001, c=1e-6, p=1e-4, max_batch=4, kv_capacity=10**6)
-    res = simulate(cm, 1, [100], [50], [0], queues=[[0]])
+    res = simulate(cm, 1, [100], [50], [0], StaticPolicy([[0]]))
     want = 50 * 1e-4 + sum(0.01 + 0.001 + 1e-6 * (50 + k) for k in range(100))
     assert res.makespan_s == pytest.approx(want, rel=1e-9)
-    # Two requests in one batch share the step; the longer one ends the step.
-    res2 = simulate(cm, 1, [100, 40], [50, 50], [0, 1], queues=[[0, 1]])
+    res2 = simulate(cm, 1, [100, 40], [50, 50], [0, 1], StaticPolicy([[0, 1]]))
     assert res2.finish_s[1] < res2.finish_s[0]
-    # KV capacity gates admission: with room for one sequence they run back to back.
     tight = DecodeCostModel(a=0.01, b=0.001, c=1e-6, p=1e-4, max_batch=4, kv_capacity=90)
-    res3 = simulate(tight, 1, [100, 40], [50, 50], [0, 1], queues=[[0, 1]])
+    res3 = simulate(tight, 1, [100, 40], [50, 50], [0, 1], StaticPolicy([[0, 1]]))
     assert res3.finish_s[1] > res3.finish_s[0]
+    # Speculation: 4 tokens per step -> 25 steps, each with 3 verified draft tokens at 0.002 s.
+    res4 = simulate(cm, 1, [100], [50], [0], StaticPolicy([[0]]), tokens_per_step=[4.0], verify_cost=0.002,
+                    draft_tokens=[3.0])
+    want4 = 50 * 1e-4 + sum(0.01 + 0.001 + 0.006 + 1e-6 * (50 + 4 * k) for k in range(25))
+    assert res4.makespan_s == pytest.approx(want4, rel=1e-9)
 
 
-@pytest.mark.parametrize("N,seed", [(16, 0), (16, 1), (64, 2)])
-def test_perfect_predictions_within_5pct_of_oracle(N, seed):
-    # No within-group noise: the per-group prediction is then every response's true length.
-    w = synthetic(16 * N, n=16, sigma_sample=0.0, seed=seed)
+def test_probe_runs_first_and_siblings_inherit_its_length():
+    # Two groups; history says group 0 is long, but group 1's probe comes back long.
+    pol = HistoPipePolicy([math.log(1000), math.log(10)], hist_var=1.0, within_var=0.05, cost=COST, lanes=False,
+                          migrate=False)
+    s = Scheduler(1, 1, [0, 0, 0, 1, 1, 1], [5] * 6, pol)
+    first = s.next_for(0)
+    assert first in (0, 3)  # a probe
+    s.started(first, 0)
+    s.finished(first, 1000 if first == 0 else 10)
+    other = s.next_for(0)
+    assert other in (0, 3) and other != first  # the other group's probe is next
+    s.started(other, 0)
+    s.finished(other, 100000 if other == 3 else 1000)
+    assert s.next_for(0) in (4, 5)  # group 1 proved longer: its siblings go first
+
+
+def test_perfect_group_knowledge_beats_least_loaded():
+    w = synthetic(16 * 16, n=16, sigma_sample=0.0, seed=0)
     cfg = HistoPipeConfig()
     cost = DecodeCostModel.for_instance(tp=4, max_batch=64)
-    hp = run_scheduler("histopipe", w, N, cost, cfg, pred=w.true_group_mean())
-    oracle = run_scheduler("oracle", w, N, cost, cfg)
+    gm = w.true_group_mean()
+    pol = HistoPipePolicy([math.log(gm[g.index]) for g in w.groups], 1e-4, 1e-4, cost, max_tokens=w.max_tokens)
+    hp = simulate(cost, 16, w.lengths, w.prompt_lens(), w.group_of(), pol)
+    oracle = run_scheduler("oracle", w, 16, cost, cfg)
     assert hp.makespan_s <= 1.05 * oracle.makespan_s
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_zero_correlation_never_worse_than_least_loaded(seed):
-    w = synthetic(16 * 32, n=16, corr=0.0, seed=seed)
+@pytest.mark.parametrize("N", [15, 16])
+def test_rhyming_history_beats_least_loaded_and_random(N):
+    w = synthetic(16 * N, n=16, corr=0.9, seed=4)
     cfg = HistoPipeConfig()
     cost = DecodeCostModel.for_instance(tp=4, max_batch=64)
-    hp = run_scheduler("histopipe", w, 32, cost, cfg)
-    ll = run_scheduler("least_loaded", w, 32, cost, cfg)
-    assert hp.makespan_s <= 1.02 * ll.makespan_s
+    for shuffled in (False, True):
+        if shuffled:
+            w = reorder(w, np.random.default_rng(1).permutation(len(w.groups)).tolist())
+        pr = trained_predictor(w, cfg)
+        hp = run_scheduler("histopipe", w, N, cost, cfg, pr=pr)
+        rnd = run_scheduler("random", w, N, cost, cfg)
+        ll = run_scheduler("least_loaded", w, N, cost, cfg)
+        assert hp.bubble_fraction <= 0.5 * rnd.bubble_fraction
+        assert hp.makespan_s < ll.makespan_s < rnd.makespan_s
 
 
-def test_rhyming_history_beats_random_dispatch():
-    w = synthetic(16 * 32, n=16, corr=0.9, seed=4)
+def test_zero_correlation_not_much_worse_than_least_loaded():
+    w = synthetic(16 * 16, n=16, corr=0.0, seed=0)
     cfg = HistoPipeConfig()
     cost = DecodeCostModel.for_instance(tp=4, max_batch=64)
-    pred = predictions(w, trained_predictor(w, cfg))
-    hp = run_scheduler("histopipe", w, 32, cost, cfg, pred=pred)
-    rnd = run_scheduler("random", w, 32, cost, cfg)
-    ll = run_scheduler("least_loaded", w, 32, cost, cfg)
-    assert hp.bubble_fraction <= 0.5 * rnd.bubble_fraction
-    assert hp.makespan_s < ll.makespan_s < rnd.makespan_s
-    assert hp.deferred == 0  # allow_defer is off by default
+    hp = run_scheduler("histopipe", w, 16, cost, cfg)
+    ll = run_scheduler("least_loaded", w, 16, cost, cfg)
+    assert hp.makespan_s <= 1.05 * ll.makespan_s
 
 
-def test_deferral_only_when_allowed_and_counted():
-    w = synthetic(16 * 8, n=16, corr=0.9, seed=5)
-    cost = DecodeCostModel.for_instance(tp=4, max_batch=64)
-    off = run_scheduler("histopipe", w, 8, cost, HistoPipeConfig())
-    on = run_scheduler("histopipe", w, 8, cost, HistoPipeConfig(allow_defer=True))
-    assert off.deferred == 0
-    assert on.deferred > 0 and on.makespan_s < off.makespan_s
-    assert on.deferred < 0.1 * w.num_requests
+def test_keys_the_dispatch_mode_does_not_read_are_reported():
+    from rhymerl.histopipe.live import unused_keys
+
+    assert unused_keys(HistoPipeConfig()) == []
+    assert unused_keys(HistoPipeConfig(num_groups=8)) == ["histopipe.num_groups"]  # live: the planner is unused
+    assert unused_keys(HistoPipeConfig(live=False, num_groups=8, lanes=False)) == ["histopipe.lanes"]
+    assert unused_keys(HistoPipeConfig(enabled=False, probe=False)) == ["histopipe.probe"]

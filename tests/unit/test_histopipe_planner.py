@@ -121,3 +121,27 @@ def test_cost_model_shape():
     assert DecodeCostModel.for_instance(tp=8).a < cm.a
     with pytest.raises(ValueError, match="does not fit"):
         DecodeCostModel.for_instance(tp=1, weights_gb=100)
+
+
+def test_calibration_file_and_step_cost_fit(tmp_path):
+    from rhymerl.histopipe import calibration
+
+    cost, source, _ = calibration.load()
+    assert "not a measurement" in source and cost.max_batch >= 1
+    true = DecodeCostModel(a=0.01, b=0.002, c=1e-6, p=1e-4, max_batch=8, kv_capacity=10**6)
+    fit = calibration.StepCostFit(DecodeCostModel(a=1.0, b=0.0, c=0.0, p=1e-4, max_batch=8, kv_capacity=10**6))
+    assert fit.fit().a == 1.0  # no samples yet: the prior
+    for B in range(1, 9):
+        for K in (100, 1000, 5000):
+            fit.add(B, K, true.step_time(B, K))
+    got = fit.fit()
+    assert got.a == pytest.approx(0.01, rel=1e-6) and got.b == pytest.approx(0.002, rel=1e-6)
+    assert got.c == pytest.approx(1e-6, rel=1e-6) and got.p == 1e-4  # no prefill seen: the prior's
+    for B, F in ((2, 300), (5, 40), (7, 1000)):
+        fit.add(B, 1000, true.step_time(B, 1000) + 3e-4 * F, prefill_tokens=F)
+    assert fit.fit().p == pytest.approx(3e-4, rel=1e-6)
+    calibration.save(tmp_path / "cal.json", got, "fitted in a test")
+    assert calibration.load(tmp_path / "cal.json")[1] == "fitted in a test"
+    (tmp_path / "bad.json").write_text('{"source": "x", "cost": {"a": -1}}')
+    with pytest.raises(ValueError, match="cost field"):
+        calibration.load(tmp_path / "bad.json")

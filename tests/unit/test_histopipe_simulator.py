@@ -12,19 +12,31 @@ def _results(capsys, argv):
     assert main(argv) == 0
     out, err = capsys.readouterr()
     data = json.loads(out)
-    assert set(data) == {"results"}
+    assert set(data) <= {"results", "calibration", "projection"} and data["calibration"]
     return data["results"], err
 
 
 def test_json_contract_and_gpu_list(capsys):
     res, err = _results(capsys, ["--gpus", "16,32", "--gpus", "64", "--tp", "4", "--trace", "synthetic", "--json",
-                                 "--prompts-per-instance", "4", "--tier2-compare"])
+                                 "--prompts-per-instance", "4", "--no-projection"])
     assert [r["gpus"] for r in res] == [16] * 5 + [32] * 5 + [64] * 5
     for r in res:
-        assert set(r) == {"gpus", "scheduler", "makespan_s", "bubble_fraction", "ratio_to_oracle"}
+        assert set(r) == {"gpus", "scheduler", "makespan_s", "bubble_fraction", "ratio_to_oracle", "shuffled"}
         assert r["scheduler"] in SCHEDULERS and r["makespan_s"] > 0 and 0 <= r["bubble_fraction"] < 1
     assert all(r["ratio_to_oracle"] == 1.0 for r in res if r["scheduler"] == "oracle")
-    assert "makespan_s" in err and "tier 2" in err  # tables go to stderr
+    assert "makespan_s" in err and "calibration: " in err  # tables go to stderr
+
+
+def test_projection_rows_are_labelled_with_their_calibration(capsys):
+    assert main(["--gpus", "16", "--json", "--prompts-per-instance", "4", "--shuffle"]) == 0
+    out, err = capsys.readouterr()
+    proj = json.loads(out)["projection"]
+    assert "not a measurement" in proj["label"] and proj["calibration"] and proj["speculation"]
+    rows = {r["config"]: r for r in proj["rows"]}
+    assert len(rows) == 5 and rows["no speculation + least-loaded"]["speedup_vs_least_loaded"] == 1.0
+    # Speculation emits more than one token per forward: it must shorten the rollout.
+    assert rows["HistoSpec + HistoPipe"]["makespan_s"] < rows["HistoPipe only"]["makespan_s"]
+    assert "PROJECTION" in err
 
 
 def test_trace_file_input(tmp_path, capsys):

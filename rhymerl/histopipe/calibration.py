@@ -1,0 +1,83 @@
+"""Calibration of the decode cost model: a JSON file holding the step-cost constants and
+where they came from, and the least-squares fit that turns measured engine steps into one.
+
+    {"source": "...", "cost": {"a": s, "b": s, "c": s, "p": s, "max_batch": int, "kv_capacity": int},
+     "speculation": {...SpecProfile...}?}
+
+Live, ``StepCostFit`` is fed (batch size, context tokens, step seconds) as engine steps run
+and refits ``a + b*B + c*K`` as the run goes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from rhymerl.atomic import atomic_write_text
+from rhymerl.histopipe.cost import DecodeCostModel
+
+DEFAULT = Path(__file__).with_name("data") / "h100x4-32b-roofline.json"
+
+
+def load(path: Optional[str | Path] = None) -> tuple[DecodeCostModel, str, dict]:
+    """(cost model, its source, the whole file)."""
+    path = Path(path) if path is not None else DEFAULT
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"calibration file {path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"calibration file {path}: not JSON ({e})") from None
+    c = d.get("cost")
+    if not isinstance(c, dict) or not isinstance(d.get("source"), str):
+        raise ValueError(f"calibration file {path}: needs a 'source' string and a 'cost' object")
+    try:
+        cost = DecodeCostModel(a=float(c["a"]), b=float(c["b"]), c=float(c["c"]), p=float(c["p"]),
+                               max_batch=int(c["max_batch"]), kv_capacity=int(c["kv_capacity"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"calibration file {path}: cost field missing or ill-typed ({e})") from None
+    if min(cost.a, cost.b, cost.c, cost.p) < 0 or cost.a <= 0 or cost.max_batch < 1 or cost.kv_capacity < 1:
+        raise ValueError(f"calibration file {path}: a must be > 0, b, c, p >= 0, max_batch and kv_capacity >= 1")
+    return cost, d["source"], d
+
+
+def save(path: str | Path, cost: DecodeCostModel, source: str, extra: Optional[dict] = None) -> None:
+    atomic_write_text(Path(path), json.dumps({"source": source, "cost": cost.to_dict(), **(extra or {})}, indent=1) + "\n")
+
+
+class StepCostFit:
+    """Least-squares fit of step_time = a + b*B + c*K + p*F from observed engine steps
+    (B running sequences, K their context tokens, F prompt tokens prefilled in the step)."""
+
+    def __init__(self, prior: DecodeCostModel, max_samples: int = 4096):
+        self.prior = prior
+        self.rows: list[tuple[float, float, float, float]] = []
+        self.max_samples = max_samples
+
+    def add(self, batch: int, context_tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
+        if batch > 0 and seconds > 0:
+            self.rows.append((float(batch), float(context_tokens), float(prefill_tokens), float(seconds)))
+            if len(self.rows) > self.max_samples:
+                del self.rows[: len(self.rows) - self.max_samples]
+
+    def fit(self) -> DecodeCostModel:
+        """The prior until the samples span enough batch sizes; coefficients kept >= 0 (a
+        term the samples cannot identify, or that fits negative, is dropped and the rest refitted)."""
+        if len(self.rows) < 8 or len({r[0] for r in self.rows}) < 3:
+            return self.prior
+        A = np.array([[1.0, r[0], r[1], r[2]] for r in self.rows])
+        y = np.array([r[3] for r in self.rows])
+        cols = [0, 1, 2, 3] if A[:, 3].any() else [0, 1, 2]
+        while True:
+            coef = np.linalg.lstsq(A[:, cols], y, rcond=None)[0]
+            neg = [c for c, v in zip(cols, coef) if v < 0 and c != 0]
+            if not neg:
+                break
+            cols.remove(neg[0])
+        full = dict(zip(cols, coef))
+        return DecodeCostModel(a=max(float(full.get(0, 0.0)), 1e-6), b=float(full.get(1, 0.0)),
+                               c=float(full.get(2, 0.0)), p=float(full[3]) if 3 in full else self.prior.p,
+                               max_batch=self.prior.max_batch, kv_capacity=self.prior.kv_capacity)

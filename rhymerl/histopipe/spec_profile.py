@@ -1,0 +1,135 @@
+"""HistoSpec's speed by response position, measured by replaying a rollout trace through
+the real draft proposer, for the cluster simulator.
+
+Each epoch >= 1 of the trace is replayed in engine order against a history store holding
+the earlier epochs: per request and forward, the proposer drafts, the draft is checked
+against the recorded tokens (exact-match acceptance, what a greedy or lossless verifier
+emits for the recorded sample) and the forward emits accepted + 1 tokens. Forwards are
+bucketed by the position they start at, so a long response's speed follows how far its
+history match carries, not one global mean.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+# Bucket edges in tokens (the last bucket is open-ended).
+EDGES = (0, 64, 256, 1024, 4096)
+
+
+@dataclass
+class SpecProfile:
+    edges: list[int]
+    tokens_per_forward: list[float]  # per bucket
+    draft_tokens_per_forward: list[float]  # per bucket: verified draft tokens per forward
+    source: str
+
+    def bucket_tpf(self, pos: int) -> tuple[float, float]:
+        k = max(i for i, e in enumerate(self.edges) if pos >= e)
+        return self.tokens_per_forward[k], self.draft_tokens_per_forward[k]
+
+    def per_request(self, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """Per response: mean tokens per forward over its positions, and mean draft tokens
+        verified per forward (forward-weighted)."""
+        L = np.asarray(lengths, dtype=float)
+        fwd = np.zeros_like(L)
+        drafted = np.zeros_like(L)
+        bounds = list(self.edges[1:]) + [math.inf]
+        for lo, hi, tpf, dpf in zip(self.edges, bounds, self.tokens_per_forward, self.draft_tokens_per_forward):
+            toks = np.clip(L - lo, 0, hi - lo)
+            f = toks / max(1.0, tpf)
+            fwd += f
+            drafted += f * dpf
+        fwd = np.maximum(fwd, 1.0)
+        return L / fwd, drafted / fwd
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecProfile":
+        try:
+            p = cls([int(x) for x in d["edges"]], [float(x) for x in d["tokens_per_forward"]],
+                    [float(x) for x in d["draft_tokens_per_forward"]], str(d["source"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"speculation profile: missing or ill-typed field ({e})") from None
+        if not (len(p.edges) == len(p.tokens_per_forward) == len(p.draft_tokens_per_forward)) or p.edges[0] != 0:
+            raise ValueError("speculation profile: edges, tokens_per_forward and draft_tokens_per_forward must align, edges[0] = 0")
+        if any(t < 1.0 for t in p.tokens_per_forward):
+            raise ValueError("speculation profile: tokens_per_forward must be >= 1")
+        return p
+
+
+def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES) -> SpecProfile:
+    """Replay ``trace`` through the HistoSpec proposer (``cfg``: HistoSpecConfig)."""
+    from rhymerl.config import HistoSpecConfig
+    from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
+    from rhymerl.histospec.acceptance import accepted_prefix
+    from rhymerl.traces import TraceError, by_epoch, read_trace
+
+    cfg = cfg or HistoSpecConfig()
+    ep = by_epoch(read_trace(trace))
+    order = sorted(ep)
+    if len(order) < 2:
+        raise TraceError(f"{trace}: a speculation profile needs at least two epochs (history, then replay)")
+    store = HistoryStore(cfg)
+    prop = DraftProposer(store, cfg)
+    nb = len(edges)
+    toks = np.zeros(nb)
+    fwds = np.zeros(nb)
+    drafted = np.zeros(nb)
+
+    def key_of(rec):
+        return prompt_key(rec.prompt_token_ids if rec.prompt_token_ids is not None else [hash(rec.prompt_id) & 0x7FFFFFFF])
+
+    def add(e):
+        for pid, recs in ep[e].items():
+            store.add_group(key_of(recs[0]), e, [r.token_ids for r in recs])
+
+    add(order[0])
+    for e in order[1:]:
+        for pid, recs in sorted(ep[e].items()):
+            for r in recs:
+                rid = f"{e}:{pid}:{r.sample_idx}"
+                prop.begin(rid, key_of(r), group=f"{e}:{pid}")
+                pos = 0
+                seq = r.token_ids
+                while pos < len(seq):
+                    d = prop.propose(rid, seq[:pos], max_len)
+                    a = accepted_prefix(d.tokens, seq[pos:])
+                    prop.feedback(rid, len(d.tokens), a)
+                    k = max(i for i, x in enumerate(edges) if pos >= x)
+                    step = min(a + 1, len(seq) - pos)
+                    toks[k] += step
+                    fwds[k] += 1
+                    drafted[k] += len(d.tokens)
+                    pos += step
+                prop.end(rid, seq)
+        add(e)
+    # Buckets the trace never reached take the last measured bucket's figures.
+    tpf, dpf = [], []
+    for k in range(nb):
+        if fwds[k]:
+            tpf.append(float(toks[k] / fwds[k]))
+            dpf.append(float(drafted[k] / fwds[k]))
+        else:
+            tpf.append(tpf[-1] if tpf else 1.0)
+            dpf.append(dpf[-1] if dpf else 0.0)
+    measured = int((fwds > 0).sum())
+    note = "" if measured == nb else (f"; positions >= {edges[measured]} not in the trace, extrapolated from "
+                                      f"positions {edges[measured - 1]}..{edges[measured] - 1}")
+    return SpecProfile(list(edges), tpf, dpf, f"HistoSpec replay of {Path(trace).name} ({int(toks.sum())} tokens, "
+                       f"{len(order) - 1} replayed epochs, max draft {max_len}{note})")
+
+
+def load(path: Optional[str | Path]) -> Optional[SpecProfile]:
+    if path is None:
+        return None
+    d = json.loads(Path(path).read_text())
+    return SpecProfile.from_dict(d.get("speculation", d))
