@@ -186,7 +186,7 @@ class Trainer:
         if cfg.histopipe.enabled and cfg.histopipe.live:
             from rhymerl.histopipe.live import trainer_rollout
 
-            return trainer_rollout(self, batch_indices, epoch)
+            return trainer_rollout(self, batch_indices, epoch, round_)
         t0 = time.perf_counter()
         groups = [PromptGroup(key=self.prompt_keys[i], index=g, prompt_len=len(self.prompt_ids[i]), n=cfg.rollout.n)
                   for g, i in enumerate(batch_indices)]

@@ -83,7 +83,7 @@ def unused_keys(cfg: Any) -> list[str]:
     return [f"histopipe.{k}" for k in idle if getattr(cfg, k) != defaults[k]]
 
 
-def continuation_seed(run_seed: int, step: int, group: int, sample: int, admission: int) -> int:
+def continuation_seed(run_seed: int, step: int | str, group: int, sample: int, admission: int) -> int:
     """Seed of one admission of a request: independent of the instance it runs on, so the
     same request draws the same tokens under any placement until it is moved."""
     return zlib.crc32(f"{run_seed}:{step}:{group}:{sample}:{admission}".encode()) & 0x3FFFFFFF
@@ -120,7 +120,7 @@ class LiveRollout:
     def cost(self) -> DecodeCostModel:
         return self.fit.fit()
 
-    def run(self, reqs: Sequence[LiveRequest], policy: Policy, sampling: Any, run_seed: int, step: int,
+    def run(self, reqs: Sequence[LiveRequest], policy: Policy, sampling: Any, run_seed: int, step: int | str,
             tag: str) -> LiveOutcome:
         comm = self.comm
         me, N = comm.rank, comm.world_size
@@ -238,8 +238,8 @@ class LiveRollout:
         return LiveOutcome(out_t, out_l, out_r, makespan, [b for _, b, _, _ in busy_all], k.migrated, k.preempted,
                            k.stragglers, k.probes, rounds, all_samples, fwd_all)
 
-    def _submit(self, q: LiveRequest, r: int, tokens, admissions, vid_of, running, sampling, run_seed: int, step: int,
-                tag: str) -> None:
+    def _submit(self, q: LiveRequest, r: int, tokens, admissions, vid_of, running, sampling, run_seed: int,
+                step: int | str, tag: str) -> None:
         from dataclasses import replace
 
         prefix = tokens[r]
@@ -254,7 +254,7 @@ class LiveRollout:
         self._fresh.add(r)
 
 
-def trainer_rollout(tr: Any, batch_indices: list[int], epoch: int) -> tuple[list, dict]:
+def trainer_rollout(tr: Any, batch_indices: list[int], epoch: int, round_: int = 0) -> tuple[list, dict]:
     """The trainer's rollout phase through the live scheduler: returns (samples, metrics)
     like ``Trainer._rollout``. With ``histopipe.compare_baselines`` the same requests are
     also run under the baseline policies first (their responses are discarded) so that
@@ -297,7 +297,8 @@ def trainer_rollout(tr: Any, batch_indices: list[int], epoch: int) -> tuple[list
         # Each policy starts from the same engine state: no prompt KV cached by an earlier run.
         tr.engine.llm.reset_prefix_cache()
         d0 = tr.engine.drafter_counts()
-        res = live.run(reqs, pol, spec, cfg.run.seed, tr.step, name)
+        # DAPO's refill rounds of a step sample with their own seeds and sibling-group ids.
+        res = live.run(reqs, pol, spec, cfg.run.seed, tr.step if round_ == 0 else f"{tr.step}.{round_}", name)
         d1 = tr.engine.drafter_counts()
         if name == hp.live_policy:
             kept, drafted = res, d1[0] - d0[0]
