@@ -1,0 +1,182 @@
+"""Where an engine step's time goes, and what speculation with no drafts costs.
+
+For each method, in one process, with the same requests: build a rollout engine, decode
+a fixed number of tokens for each batch size (ignore_eos), and split every engine step
+into phases timed around vLLM's own functions: scheduling, input preparation, the model
+forward, the output layer (logits over the vocabulary), sampling (with log-probs, or
+rejection sampling when drafts exist), drafting, bookkeeping and output processing.
+From two batch sizes it fits step time = fixed + per request x requests.
+
+The zero-draft tax: ``histospec`` with an empty history proposes nothing, so its steps
+do the same work as ``none``; it is measured with the zero-draft patch on (the shipped
+path) and off (vLLM's own path), and reported as a ratio to ``none`` in the same run.
+
+    python -m rhymerl bench step --json
+    python -m rhymerl bench step --sizes 2,32 --tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+# Phase -> (object path, attribute): methods wrapped with a timer on the live engine.
+PHASES = {
+    "schedule": ("scheduler", "schedule"),
+    "update": ("scheduler", "update_from_output"),
+    "prepare": ("runner", "_prepare_inputs"),
+    "forward": ("runner", "_model_forward"),
+    "logits": ("model", "compute_logits"),
+    "sample": ("runner", "_sample"),
+    "draft": ("runner", "propose_draft_token_ids"),
+    "bookkeep": ("runner", "_bookkeeping_sync"),
+    "output": ("output_processor", "process_outputs"),
+}
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase of the wrapped engine's steps."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj: Any, attr: str, phase: str) -> None:
+        inner: Callable = getattr(obj, attr)
+        seconds = self.seconds
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def instrument(engine: Any) -> PhaseTimer:
+    from rhymerl.rollout.engine import _runner_of
+
+    runner = engine.llm.collective_rpc(_runner_of)[0]
+    objs = {"runner": runner, "model": runner.model, "scheduler": engine._engine.engine_core.engine_core.scheduler,
+            "output_processor": engine._engine.output_processor}
+    timer = PhaseTimer()
+    for phase, (obj, attr) in PHASES.items():
+        timer.wrap(objs[obj], attr, phase)
+    return timer
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y over x; one point gives slope 0."""
+    if len(points) < 2:
+        return (points[0][1] if points else 0.0), 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def _measure(engine: Any, timer: PhaseTimer, prompts: list[list[int]], tokens: int, temperature: float) -> dict:
+    from rhymerl.rollout import SamplingSpec
+
+    sp = SamplingSpec(temperature=temperature, max_tokens=tokens, ignore_eos=True)
+    engine.generate(prompts, 1, SamplingSpec(temperature=temperature, max_tokens=2, ignore_eos=True), record_history=False)
+    timer.reset()
+    engine.generate(prompts, 1, sp, record_history=False)
+    m = engine.metrics()
+    steps = max(1, m["engine_steps"])
+    row = {f"{k}_ms": 1e3 * v / steps for k, v in sorted(timer.seconds.items())}
+    row["step_ms"] = 1e3 * m["wall_s"] / steps
+    named = sum(v for k, v in row.items() if k != "step_ms")
+    row["other_ms"] = row["step_ms"] - named
+    row["steps"] = m["engine_steps"]
+    row["draft_proposed"] = m["draft_proposed"]
+    return row
+
+
+def run(args) -> dict:
+    from bench.rollout import _prompts
+    from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
+    from rhymerl.models import resolve_model
+    from rhymerl.rollout import RolloutEngine
+    from rhymerl.rollout import vllm_patches
+
+    model_dir = resolve_model(ModelConfig(path=args.model))
+    prompts = _prompts(model_dir, max(args.sizes))
+    out: dict = {"model": args.model, "tokens": args.tokens, "temperature": args.temperature, "sizes": args.sizes,
+                 "threads": os.environ.get("OMP_NUM_THREADS"), "variants": {}}
+    # (label, method, zero-draft patch on)
+    variants = [("none", "none", True), ("histospec-no-drafts", "histospec", True),
+                ("histospec-no-drafts-unpatched", "histospec", False)]
+    for label, method, patched in variants:
+        cfg = RolloutConfig(speculative=method, n=1, temperature=args.temperature, max_tokens=args.tokens,
+                            num_speculative_tokens=8, max_num_seqs=max(64, max(args.sizes)), max_model_len=1024,
+                            cpu_kv_cache_gb=1.0)
+        eng = RolloutEngine(cfg, HistoSpecConfig(), model_dir, seed=args.seed)
+        if not patched:
+            vllm_patches.unpatch_zero_draft_plain_sampler()
+        try:
+            timer = instrument(eng)
+            rows = {n: _measure(eng, timer, prompts[:n], args.tokens, args.temperature) for n in args.sizes}
+        finally:
+            if not patched:
+                vllm_patches.patch_zero_draft_plain_sampler()
+            eng.shutdown()
+        fixed, per_req = fit_line([(n, r["step_ms"]) for n, r in rows.items()])
+        out["variants"][label] = {"by_size": rows, "fixed_ms": fixed, "per_request_ms": per_req}
+        print(f"[{label}] " + "  ".join(f"{n} req: {r['step_ms']:.1f} ms/step" for n, r in rows.items())
+              + f"  fit: {fixed:.1f} ms + {per_req:.2f} ms/request", file=sys.stderr)
+    base = out["variants"]["none"]["by_size"]
+    for label, v in out["variants"].items():
+        v["ratio_to_none"] = {n: r["step_ms"] / base[n]["step_ms"] for n, r in v["by_size"].items()}
+    return out
+
+
+def _table(out: dict) -> str:
+    phases = [f"{p}_ms" for p in PHASES] + ["other_ms", "step_ms"]
+    lines = [f"engine step: {out['model']} T={out['temperature']} {out['tokens']} tokens per request, "
+             f"threads={out['threads']} (ms per engine step)",
+             f"{'variant':<31}{'reqs':>5}" + "".join(f"{p[:-3]:>9}" for p in phases) + f"{'vs none':>9}"]
+    for label, v in out["variants"].items():
+        for n, r in v["by_size"].items():
+            lines.append(f"{label:<31}{n:>5}" + "".join(f"{r.get(p, 0.0):>9.2f}" for p in phases)
+                         + f"{v['ratio_to_none'][n]:>9.3f}")
+        lines.append(f"{'':<31}fit: {v['fixed_ms']:.1f} ms fixed + {v['per_request_ms']:.2f} ms per request")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rhymerl bench step", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--sizes", default="2,32", help="concurrent requests, comma-separated")
+    p.add_argument("--tokens", type=int, default=32, help="tokens decoded per request")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    # As bench rollout: one intra-op thread, what vLLM serves with on a 2-core host.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from bench.rollout import quiet_stdout
+
+    with quiet_stdout():
+        out = run(args)
+    print(_table(out), file=sys.stderr)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
