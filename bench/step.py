@@ -8,8 +8,10 @@ rejection sampling when drafts exist), drafting, bookkeeping and output processi
 From two batch sizes it fits step time = fixed + per request x requests.
 
 The zero-draft tax: ``histospec`` with an empty history proposes nothing, so its steps
-do the same work as ``none``; it is measured with the zero-draft patch on (the shipped
-path) and off (vLLM's own path), and reported as a ratio to ``none`` in the same run.
+do the same work as ``none``; it is measured with rhymerl's sampler patches on (the
+shipped path) and off (vLLM's own path), and reported as a ratio to ``none`` in the same
+run. The cost of a draft token: ``histospec`` drafting from an untimed pass over the same
+requests, (step time - none's step time) / drafts per step, patched and unpatched.
 
     python -m rhymerl bench step --json
     python -m rhymerl bench step --sizes 2,32 --tokens 32
@@ -86,11 +88,17 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _measure(engine: Any, timer: PhaseTimer, prompts: list[list[int]], tokens: int, temperature: float) -> dict:
+def _measure(engine: Any, timer: PhaseTimer, prompts: list[list[int]], tokens: int, temperature: float,
+             drafts: bool) -> dict:
     from rhymerl.rollout import SamplingSpec
 
     sp = SamplingSpec(temperature=temperature, max_tokens=tokens, ignore_eos=True)
-    engine.generate(prompts, 1, SamplingSpec(temperature=temperature, max_tokens=2, ignore_eos=True), record_history=False)
+    if drafts:  # an untimed pass at the same temperature becomes the history the timed pass drafts from
+        engine.set_history(type(engine.history)(engine.histospec_cfg, vocab_size=engine.vocab_size))
+        engine.generate(prompts, 1, sp, epoch=0)
+    else:
+        engine.generate(prompts, 1, SamplingSpec(temperature=temperature, max_tokens=2, ignore_eos=True),
+                        record_history=False)
     timer.reset()
     engine.generate(prompts, 1, sp, record_history=False)
     m = engine.metrics()
@@ -101,6 +109,8 @@ def _measure(engine: Any, timer: PhaseTimer, prompts: list[list[int]], tokens: i
     row["other_ms"] = row["step_ms"] - named
     row["steps"] = m["engine_steps"]
     row["draft_proposed"] = m["draft_proposed"]
+    row["drafts_per_step"] = m["draft_proposed"] / steps
+    row["tokens_per_forward"] = m["tokens_per_forward"]
     return row
 
 
@@ -115,22 +125,24 @@ def run(args) -> dict:
     prompts = _prompts(model_dir, max(args.sizes))
     out: dict = {"model": args.model, "tokens": args.tokens, "temperature": args.temperature, "sizes": args.sizes,
                  "threads": os.environ.get("OMP_NUM_THREADS"), "variants": {}}
-    # (label, method, zero-draft patch on)
-    variants = [("none", "none", True), ("histospec-no-drafts", "histospec", True),
-                ("histospec-no-drafts-unpatched", "histospec", False)]
-    for label, method, patched in variants:
+    # (label, method, history drafts, rhymerl's sampler patches on)
+    variants = [("none", "none", False, True), ("histospec-no-drafts", "histospec", False, True),
+                ("histospec-no-drafts-unpatched", "histospec", False, False),
+                ("histospec-drafts", "histospec", True, True), ("histospec-drafts-unpatched", "histospec", True, False)]
+    for label, method, drafts, patched in variants:
         cfg = RolloutConfig(speculative=method, n=1, temperature=args.temperature, max_tokens=args.tokens,
                             num_speculative_tokens=8, max_num_seqs=max(64, max(args.sizes)), max_model_len=1024,
                             cpu_kv_cache_gb=1.0)
         eng = RolloutEngine(cfg, HistoSpecConfig(), model_dir, seed=args.seed)
         if not patched:
             vllm_patches.unpatch_zero_draft_plain_sampler()
+            vllm_patches.unpatch_rejection_sampler_cuts()
         try:
             timer = instrument(eng)
-            rows = {n: _measure(eng, timer, prompts[:n], args.tokens, args.temperature) for n in args.sizes}
+            rows = {n: _measure(eng, timer, prompts[:n], args.tokens, args.temperature, drafts) for n in args.sizes}
         finally:
             if not patched:
-                vllm_patches.patch_zero_draft_plain_sampler()
+                vllm_patches.apply_all()
             eng.shutdown()
         fixed, per_req = fit_line([(n, r["step_ms"]) for n, r in rows.items()])
         out["variants"][label] = {"by_size": rows, "fixed_ms": fixed, "per_request_ms": per_req}
@@ -139,6 +151,9 @@ def run(args) -> dict:
     base = out["variants"]["none"]["by_size"]
     for label, v in out["variants"].items():
         v["ratio_to_none"] = {n: r["step_ms"] / base[n]["step_ms"] for n, r in v["by_size"].items()}
+        # What one more scored draft token adds to a step, against the same requests without speculation.
+        v["ms_per_draft_token"] = {n: (r["step_ms"] - base[n]["step_ms"]) / r["drafts_per_step"]
+                                   for n, r in v["by_size"].items() if r["drafts_per_step"] > 0}
     return out
 
 
@@ -151,7 +166,10 @@ def _table(out: dict) -> str:
         for n, r in v["by_size"].items():
             lines.append(f"{label:<31}{n:>5}" + "".join(f"{r.get(p, 0.0):>9.2f}" for p in phases)
                          + f"{v['ratio_to_none'][n]:>9.3f}")
-        lines.append(f"{'':<31}fit: {v['fixed_ms']:.1f} ms fixed + {v['per_request_ms']:.2f} ms per request")
+        per_draft = "  ".join(f"{n} req: {x:.2f} ({v['by_size'][n]['drafts_per_step']:.1f} drafts/step)"
+                              for n, x in v["ms_per_draft_token"].items())
+        lines.append(f"{'':<31}fit: {v['fixed_ms']:.1f} ms fixed + {v['per_request_ms']:.2f} ms per request"
+                     + (f"; ms per draft token: {per_draft}" if per_draft else ""))
     return "\n".join(lines)
 
 

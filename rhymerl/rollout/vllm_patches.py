@@ -273,6 +273,19 @@ def patch_sampled_logprobs_without_vocab_copies() -> bool:
     return True
 
 
+def unpatch_rejection_sampler_cuts() -> None:
+    """Undo patch_recovered_noise_drafting_rows and patch_sampled_logprobs_without_vocab_copies (the step
+    benchmark measures vLLM's own rejection sampler with it)."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    unpatch_recovered_noise_drafting_rows()
+    orig = getattr(RejectionSampler, "_rhymerl_original_get_logprobs_tensors", None)
+    if orig is not None:
+        RejectionSampler._get_logprobs_tensors = orig
+        del RejectionSampler._rhymerl_original_get_logprobs_tensors
+    _applied.discard("sampled_logprobs_without_vocab_copies")
+
+
 def apply_all() -> list[str]:
     applied = []
     if patch_cpu_rejection_expand():
