@@ -48,8 +48,15 @@ class PhaseTimer:
         self.seconds: dict[str, float] = defaultdict(float)
 
     def wrap(self, obj: Any, attr: str, phase: str) -> None:
-        inner: Callable = getattr(obj, attr)
         seconds = self.seconds
+        if attr in getattr(obj, "__dict__", {}):
+            inner: Callable = getattr(obj, attr)
+        else:
+            # Looked up on the class at each call: a vLLM patch swapped in or out later still counts.
+            cls = type(obj)
+
+            def inner(*args: Any, **kwargs: Any) -> Any:
+                return getattr(cls, attr)(obj, *args, **kwargs)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -88,19 +95,12 @@ def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def _measure(engine: Any, timer: PhaseTimer, prompts: list[list[int]], tokens: int, temperature: float,
-             drafts: bool) -> dict:
+def _measure(engine: Any, timer: PhaseTimer, prompts: list[list[int]], tokens: int, temperature: float) -> dict:
     from rhymerl.rollout import SamplingSpec
 
-    sp = SamplingSpec(temperature=temperature, max_tokens=tokens, ignore_eos=True)
-    if drafts:  # an untimed pass at the same temperature becomes the history the timed pass drafts from
-        engine.set_history(type(engine.history)(engine.histospec_cfg, vocab_size=engine.vocab_size))
-        engine.generate(prompts, 1, sp, epoch=0)
-    else:
-        engine.generate(prompts, 1, SamplingSpec(temperature=temperature, max_tokens=2, ignore_eos=True),
-                        record_history=False)
     timer.reset()
-    engine.generate(prompts, 1, sp, record_history=False)
+    engine.generate(prompts, 1, SamplingSpec(temperature=temperature, max_tokens=tokens, ignore_eos=True),
+                    record_history=False)
     m = engine.metrics()
     steps = max(1, m["engine_steps"])
     row = {f"{k}_ms": 1e3 * v / steps for k, v in sorted(timer.seconds.items())}
@@ -114,40 +114,73 @@ def _measure(engine: Any, timer: PhaseTimer, prompts: list[list[int]], tokens: i
     return row
 
 
+# label -> (engine, drafts from a history of the same requests, rhymerl's sampler patches on)
+VARIANTS = {
+    "none": ("none", False, True),
+    "histospec-no-drafts": ("histospec", False, True),
+    "histospec-no-drafts-unpatched": ("histospec", False, False),
+    "histospec-drafts": ("histospec", True, True),
+    "histospec-drafts-unpatched": ("histospec", True, False),
+}
+
+
 def run(args) -> dict:
     from bench.rollout import _prompts
     from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
+    from rhymerl.histospec import HistoryStore
     from rhymerl.models import resolve_model
-    from rhymerl.rollout import RolloutEngine
+    from rhymerl.rollout import RolloutEngine, SamplingSpec
     from rhymerl.rollout import vllm_patches
 
     model_dir = resolve_model(ModelConfig(path=args.model))
     prompts = _prompts(model_dir, max(args.sizes))
     out: dict = {"model": args.model, "tokens": args.tokens, "temperature": args.temperature, "sizes": args.sizes,
-                 "threads": os.environ.get("OMP_NUM_THREADS"), "variants": {}}
-    # (label, method, history drafts, rhymerl's sampler patches on)
-    variants = [("none", "none", False, True), ("histospec-no-drafts", "histospec", False, True),
-                ("histospec-no-drafts-unpatched", "histospec", False, False),
-                ("histospec-drafts", "histospec", True, True), ("histospec-drafts-unpatched", "histospec", True, False)]
-    for label, method, drafts, patched in variants:
-        cfg = RolloutConfig(speculative=method, n=1, temperature=args.temperature, max_tokens=args.tokens,
-                            num_speculative_tokens=8, max_num_seqs=max(64, max(args.sizes)), max_model_len=1024,
-                            cpu_kv_cache_gb=1.0)
-        eng = RolloutEngine(cfg, HistoSpecConfig(), model_dir, seed=args.seed)
-        if not patched:
-            vllm_patches.unpatch_zero_draft_plain_sampler()
-            vllm_patches.unpatch_rejection_sampler_cuts()
-        try:
-            timer = instrument(eng)
-            rows = {n: _measure(eng, timer, prompts[:n], args.tokens, args.temperature, drafts) for n in args.sizes}
-        finally:
-            if not patched:
-                vllm_patches.apply_all()
+                 "repeats": args.repeats, "threads": os.environ.get("OMP_NUM_THREADS"), "variants": {}}
+    engines: dict = {}
+    timers: dict = {}
+    hs = HistoSpecConfig()
+    try:
+        for method in ("none", "histospec"):
+            cfg = RolloutConfig(speculative=method, n=1, temperature=args.temperature, max_tokens=args.tokens,
+                                num_speculative_tokens=8, max_num_seqs=max(64, max(args.sizes)), max_model_len=1024,
+                                cpu_kv_cache_gb=1.0)
+            engines[method] = RolloutEngine(cfg, hs, model_dir, seed=args.seed)
+            timers[method] = instrument(engines[method])
+            engines[method].generate(prompts[:2], 1, SamplingSpec(temperature=args.temperature, max_tokens=4),
+                                     record_history=False)  # warm-up
+        spec = engines["histospec"]
+        rows: dict = {label: {} for label in VARIANTS}
+        for n in args.sizes:
+            empty = HistoryStore(hs, vocab_size=spec.vocab_size)
+            filled = HistoryStore(hs, vocab_size=spec.vocab_size)
+            spec.set_history(filled)  # an untimed pass over the same requests is the history to draft from
+            spec.generate(prompts[:n], 1, SamplingSpec(temperature=args.temperature, max_tokens=args.tokens,
+                                                       ignore_eos=True), epoch=0)
+            reps: dict = {label: [] for label in VARIANTS}
+            # Variants interleaved, repeated: drift of the machine's load hits them alike.
+            for _ in range(args.repeats):
+                for label, (method, drafts, patched) in VARIANTS.items():
+                    if method == "histospec":
+                        spec.set_history(filled if drafts else empty)
+                    if not patched:
+                        vllm_patches.unpatch_zero_draft_plain_sampler()
+                        vllm_patches.unpatch_rejection_sampler_cuts()
+                    try:
+                        reps[label].append(_measure(engines[method], timers[method], prompts[:n], args.tokens,
+                                                    args.temperature))
+                    finally:
+                        if not patched:
+                            vllm_patches.apply_all()
+            for label, rs in reps.items():
+                rows[label][n] = sorted(rs, key=lambda r: r["step_ms"])[len(rs) // 2]
+            print(f"[{n} requests] " + "  ".join(f"{lb}: {rows[lb][n]['step_ms']:.1f}" for lb in VARIANTS) + " ms/step",
+                  file=sys.stderr)
+    finally:
+        for eng in reversed(list(engines.values())):
             eng.shutdown()
-        fixed, per_req = fit_line([(n, r["step_ms"]) for n, r in rows.items()])
-        out["variants"][label] = {"by_size": rows, "fixed_ms": fixed, "per_request_ms": per_req}
-        print(f"[{label}] " + "  ".join(f"{n} req: {r['step_ms']:.1f} ms/step" for n, r in rows.items())
-              + f"  fit: {fixed:.1f} ms + {per_req:.2f} ms/request", file=sys.stderr)
+    for label, by_size in rows.items():
+        fixed, per_req = fit_line([(n, r["step_ms"]) for n, r in by_size.items()])
+        out["variants"][label] = {"by_size": by_size, "fixed_ms": fixed, "per_request_ms": per_req}
     base = out["variants"]["none"]["by_size"]
     for label, v in out["variants"].items():
         v["ratio_to_none"] = {n: r["step_ms"] / base[n]["step_ms"] for n, r in v["by_size"].items()}
@@ -178,8 +211,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
     p.add_argument("--sizes", default="2,32", help="concurrent requests, comma-separated")
-    p.add_argument("--tokens", type=int, default=32, help="tokens decoded per request")
+    p.add_argument("--tokens", type=int, default=24, help="tokens decoded per request")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per variant (median kept)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})

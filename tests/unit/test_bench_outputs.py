@@ -65,3 +65,18 @@ def test_fit_line_recovers_fixed_and_per_request_cost():
 
     assert fit_line([(2, 70.0), (32, 250.0)]) == pytest.approx((58.0, 6.0))
     assert fit_line([(8, 100.0)]) == (100.0, 0.0)
+
+
+def test_phase_timer_follows_a_method_patched_after_wrapping():
+    """bench step swaps vLLM patches in and out on a wrapped engine: the timer must call the current one."""
+    from bench.step import PhaseTimer
+
+    class Runner:
+        def sample(self, x):
+            return x + 1
+
+    r, timer = Runner(), PhaseTimer()
+    timer.wrap(r, "sample", "sample")
+    assert r.sample(1) == 2
+    Runner.sample = lambda self, x: x + 10
+    assert r.sample(1) == 11 and timer.seconds["sample"] > 0
