@@ -185,7 +185,8 @@ def patch_recovered_noise_drafting_rows() -> bool:
     name = "recovered_noise_drafting_rows"
     if name in _applied:
         return True
-    if not _vllm_version().startswith(_SPEC_STEP_VERSIONS):
+    # CPU only: on a GPU the noise is one cheap kernel, and the row list would cost host-device copies.
+    if not _vllm_version().startswith(_SPEC_STEP_VERSIONS) or not _on_cpu():
         return False
     from vllm.v1.sample import rejection_sampler as rs
 
@@ -253,7 +254,8 @@ def patch_sampled_logprobs_without_vocab_copies() -> bool:
     name = "sampled_logprobs_without_vocab_copies"
     if name in _applied:
         return True
-    if not _vllm_version().startswith(_SPEC_STEP_VERSIONS):
+    # CPU only: its masked scatter would synchronise a GPU with the host, which vLLM's path avoids.
+    if not _vllm_version().startswith(_SPEC_STEP_VERSIONS) or not _on_cpu():
         return False
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
