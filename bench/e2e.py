@@ -1,10 +1,14 @@
-"""End-to-end RL step time with HistoSpec + HistoPipe on vs off, in one process.
+"""End-to-end RL step time with HistoSpec + HistoPipe on vs off (and vLLM's drafters), in one process.
 
-`python -m rhymerl bench e2e [--config configs/tiny-cpu.yaml] [--epochs 2] [--json] [key=value ...]`
+`python -m rhymerl bench e2e [--config configs/tiny-cpu.yaml] [--epochs 2] [--methods ngram,suffix,histospec] [--json] [key=value ...]`
 
-Runs the same config twice from the same seed: accelerations off (rollout.speculative=none,
-histopipe.enabled=false) and on (histospec + histopipe), and reports the mean step time
-and per-phase times over the steps of epoch >= 2 (epoch 1 has no history to draft from).
+Runs the same config from the same seed once per variant: accelerations off
+(rollout.speculative=none, histopipe.enabled=false), then for each method of --methods the
+same RL loop with that drafter and HistoPipe on (``histospec`` is RhymeRL's "on"; ``ngram``
+and ``suffix`` are vLLM's drafters through the same loop). Reports the mean step time,
+per-phase times, tokens per forward and reward over the steps of epoch >= 2 (epoch 1 has
+no history to draft from), and each variant's ratio to off. ``--json`` prints one JSON
+object on stdout (the engines' and trainers' logs go to stderr).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 PHASES = ("plan", "rollout", "reward", "train", "reshard")
 
 
-def _run_variant(base_cfg, groups, on: bool, epochs: int, run_dir: Path) -> dict:
+def _run_variant(base_cfg, groups, method: str, epochs: int, run_dir: Path) -> dict:
     from rhymerl.collectives import WorldComm
     from rhymerl.config import from_dict, to_dict
     from rhymerl.trainer import Trainer
@@ -27,7 +31,8 @@ def _run_variant(base_cfg, groups, on: bool, epochs: int, run_dir: Path) -> dict
     d["run"]["output_dir"] = str(run_dir)
     d["run"]["epochs"] = epochs
     d["run"]["max_steps"] = 0
-    d["rollout"]["speculative"] = "histospec" if on else "none"
+    on = method != "none"
+    d["rollout"]["speculative"] = method
     d["histopipe"]["enabled"] = on
     cfg = from_dict(d)
     trainer = Trainer(cfg, WorldComm(), groups)
@@ -37,59 +42,96 @@ def _run_variant(base_cfg, groups, on: bool, epochs: int, run_dir: Path) -> dict
         while trainer.step < total:
             out = trainer.train_step()
             m = out.metrics
-            rows.append({"epoch": out.epoch, "step_s": m["time/step_s"], "reward": m["reward/mean"],
-                         "tokens_per_forward": m.get("histospec/tokens_per_forward", 1.0),
-                         **{p: m.get(f"time/{p}_s", 0.0) for p in PHASES}})
-            print(f"[bench e2e] {'on ' if on else 'off'} step {out.step} epoch {out.epoch} "
+            rows.append(step_row(out.epoch, m))
+            print(f"[bench e2e] {method if on else 'off'} step {out.step} epoch {out.epoch} "
                   f"step {m['time/step_s']:.2f}s rollout {m.get('time/rollout_s', 0):.2f}s "
                   f"train {m.get('time/train_s', 0):.2f}s reward {m['reward/mean']:.3f} "
                   f"tok/fwd {rows[-1]['tokens_per_forward']:.2f}", file=sys.stderr)
     except BaseException:
         trainer.close()
         raise
+    return summarize(rows), trainer
+
+
+def step_row(epoch: int, m: dict) -> dict:
+    """One step's figures from the trainer's metrics: the reward itself, and each phase's seconds."""
+    return {"epoch": epoch, "step_s": m["time/step_s"], "reward_mean": m["reward/mean"],
+            "response_len_mean": m.get("response/len_mean", 0.0),
+            "tokens_per_forward": m.get("histospec/tokens_per_forward", 1.0),
+            "phases_s": {p: m.get(f"time/{p}_s", 0.0) for p in PHASES}}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Means over the steps of epoch >= 2 (the first epoch has no history to draft from)."""
     late = [r for r in rows if r["epoch"] >= 1] or rows
-    mean = lambda k: sum(r[k] for r in late) / len(late)  # noqa: E731
-    return {"step_s": mean("step_s"), "phases": {p: mean(p) for p in PHASES},
-            "tokens_per_forward": mean("tokens_per_forward"), "reward_mean": mean("reward"),
-            "steps_measured": len(late), "per_step": rows}, trainer
+    mean = lambda get: sum(get(r) for r in late) / len(late)  # noqa: E731
+    return {"step_s": mean(lambda r: r["step_s"]), "phases": {p: mean(lambda r: r["phases_s"][p]) for p in PHASES},
+            "tokens_per_forward": mean(lambda r: r["tokens_per_forward"]),
+            "reward_mean": mean(lambda r: r["reward_mean"]), "response_len_mean": mean(lambda r: r["response_len_mean"]),
+            "steps_measured": len(late), "per_step": rows}
+
+
+METHODS = ("ngram", "suffix", "histospec")
 
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rhymerl bench e2e", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
     ap.add_argument("--epochs", type=int, default=2, help="epochs per variant (measured: epoch >= 2)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"drafters run with HistoPipe on, each against off (any of {', '.join(METHODS)})")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--out", default="runs/bench-e2e")
-    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to both variants")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides applied to every variant")
     args = ap.parse_args(argv)
     if args.epochs < 2:
         ap.error("--epochs must be >= 2: epoch 1 has no history")
-    from rhymerl.config import load_config
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        ap.error(f"--methods: unknown {bad or methods}; allowed: {', '.join(METHODS)}")
+    from bench.rollout import quiet_stdout
 
+    with quiet_stdout():
+        out = _run(args, methods)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+def _run(args, methods: list[str]) -> dict:
+    from rhymerl.config import load_config
     from rhymerl.training.process_groups import init_process_groups
 
     cfg = load_config(args.config, args.overrides)
     groups = init_process_groups(cfg.parallel, 1, 0)
     t0 = time.time()
-    # Both trainers stay alive until the end: shutting down the last live vLLM engine tears
+    # Every trainer stays alive until the end: shutting down the last live vLLM engine tears
     # down the process-wide torch.distributed state the next trainer's Megatron needs.
     trainers = []
+    variants: dict = {}
     try:
-        off, t = _run_variant(cfg, groups, False, args.epochs, Path(args.out) / "off")
-        trainers.append(t)
-        on, t = _run_variant(cfg, groups, True, args.epochs, Path(args.out) / "on")
-        trainers.append(t)
+        for method in ["none", *methods]:
+            label = "off" if method == "none" else method
+            variants[label], t = _run_variant(cfg, groups, method, args.epochs, Path(args.out) / label)
+            trainers.append(t)
     finally:
         for t in reversed(trainers):
             t.close()
-    speedup = off["step_s"] / on["step_s"] if on["step_s"] > 0 else 0.0
-    print(f"\n{'phase':<10}{'off (s)':>10}{'on (s)':>10}{'ratio':>8}", file=sys.stderr)
+    off = variants["off"]
+    for label, v in variants.items():
+        v["step_speedup"] = off["step_s"] / v["step_s"] if v["step_s"] > 0 else 0.0
+        v["rollout_speedup"] = off["phases"]["rollout"] / v["phases"]["rollout"] if v["phases"]["rollout"] > 0 else 0.0
+        v["rollout_share"] = v["phases"]["rollout"] / v["step_s"] if v["step_s"] > 0 else 0.0
+    labels = list(variants)
+    print(f"\n{'phase (s)':<12}" + "".join(f"{lb:>11}" for lb in labels), file=sys.stderr)
     for p in ("step",) + PHASES:
-        a = off["step_s"] if p == "step" else off["phases"][p]
-        b = on["step_s"] if p == "step" else on["phases"][p]
-        print(f"{p:<10}{a:>10.2f}{b:>10.2f}{(a / b if b > 0 else 0):>8.2f}", file=sys.stderr)
-    print(f"tokens/forward on: {on['tokens_per_forward']:.2f}   step-time speedup (epoch >= 2): {speedup:.2f}x   "
-          f"({time.time() - t0:.0f} s total)", file=sys.stderr)
-    if args.json:
-        print(json.dumps({"on": on, "off": off, "speedup": speedup}))
-    return 0
+        vals = [v["step_s"] if p == "step" else v["phases"][p] for v in variants.values()]
+        print(f"{p:<12}" + "".join(f"{x:>11.2f}" for x in vals), file=sys.stderr)
+    for key in ("step_speedup", "rollout_speedup", "rollout_share", "tokens_per_forward", "reward_mean",
+                "response_len_mean"):
+        print(f"{key:<12}" + "".join(f"{v[key]:>11.2f}" for v in variants.values()), file=sys.stderr)
+    print(f"(epoch >= 2 means; ratios vs off in this run; {time.time() - t0:.0f} s total)", file=sys.stderr)
+    on = variants.get("histospec")
+    return {"variants": variants, "off": off, "on": on, "speedup": on["step_speedup"] if on else None,
+            "rollout_speedup": on["rollout_speedup"] if on else None, "epochs": args.epochs}

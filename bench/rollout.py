@@ -1,24 +1,43 @@
-"""vLLM rollout benchmark: no speculation vs ngram vs suffix vs HistoSpec on epoch 2.
+"""vLLM rollout benchmark: no speculation vs ngram vs suffix vs HistoSpec, side by side in one process.
 
-For each method, in one process and with the same prompts, sampling and seed: build
-an engine, warm it up, run epoch 1 (fills HistoSpec's history, and suffix decoding's
-own cache of recent responses), then time epoch 2. The policy does not change between
-the epochs here, so epoch 2 is as similar to epoch 1 as sampling allows; in training
-the policy moves a little each step. Ratios are against `none` measured in this run;
-`tokens_per_forward` (tokens emitted per target forward pass of a sequence) does not
-depend on the hardware.
+Two workloads:
 
-    python -m rhymerl bench rollout --json                  # SmolLM2-135M-Instruct, T=1.0, n=4
-    python -m rhymerl bench rollout --quick --model builtin:tiny
+* ``--config CFG`` (default ``configs/tiny-cpu.yaml``): the run's own prompts, sampling
+  and policy inside the RL loop. The config's RL loop (without speculation) trains for
+  ``--train-epochs`` epochs, recording its responses in the history store as a run does;
+  then every method gets an engine with the trained weights (and HistoSpec a copy of the
+  run's history) and generates the next epoch's steps, timed. vLLM's ``suffix`` keeps its
+  own cache of recent responses, so it first runs one untimed pass over the same prompts
+  (a cache from the current policy: if anything, this favours it).
+  ``--train-epochs 0`` skips training: the base policy, the history from an untimed pass.
+* ``--model M`` without a config: the built-in chat questions (the older workload).
+
+``--sweep`` times none and HistoSpec over temperature {0, 0.7, 1.0} x concurrent requests
+{1, 8, 32, 64} with the same history and prints HistoSpec's wall-time ratio to none in every
+cell; ``--quick`` caps the tokens (and skips training) so a sweep runs in a few minutes.
+Ratios are against ``none`` measured in this run; ``tokens_per_forward`` (tokens emitted per
+target forward pass of a sequence) does not depend on the hardware.
+
+    python -m rhymerl bench rollout --json
+    python -m rhymerl bench rollout --sweep --quick
+    python -m rhymerl bench rollout --model builtin:smollm2-135m-instruct --json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import replace
+from typing import Any, Iterator
+
+METHODS = ("none", "ngram", "suffix", "histospec")
+SWEEP_TEMPERATURES = (0.0, 0.7, 1.0)
+SWEEP_CONCURRENCY = (1, 8, 32, 64)
 
 QUESTIONS = [
     "What is 17 + 25? Explain step by step.",
@@ -52,10 +71,106 @@ def _prompts(model_dir, count: int) -> list[list[int]]:
     return out
 
 
-def run(args) -> dict:
+@contextlib.contextmanager
+def quiet_stdout() -> Iterator[None]:
+    """Send everything written to file descriptor 1 (vLLM's and Megatron's logs) to stderr, so that
+    stdout carries only the benchmark's one JSON object."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+class Workload:
+    """Prompts, sampling and policy weights every method is measured on."""
+
+    def __init__(self, model_dir, prompts: list[list[int]], rollout_cfg, histospec_cfg, seed: int,
+                 prompts_per_step: int, history: Any = None, trainer: Any = None, dtype: str = "float32"):
+        self.model_dir = model_dir
+        self.prompts = prompts
+        self.rollout = rollout_cfg
+        self.histospec = histospec_cfg
+        self.seed = seed
+        self.prompts_per_step = max(1, prompts_per_step)
+        self.history = history
+        self.trainer = trainer
+        self.dtype = dtype
+
+    def history_copy(self, vocab_size: int):
+        from rhymerl.histospec import HistoryStore
+
+        if self.history is None:
+            return HistoryStore(self.histospec, vocab_size=vocab_size)
+        return HistoryStore.from_bytes(self.history.to_bytes(), self.histospec)
+
+    def engine(self, method: str, max_num_seqs: int):
+        from rhymerl.rollout import RolloutEngine
+
+        cfg = replace(self.rollout, speculative=method, max_num_seqs=max(max_num_seqs, self.rollout.max_num_seqs))
+        eng = RolloutEngine(cfg, self.histospec, self.model_dir, seed=self.seed, dtype=self.dtype)
+        eng.set_history(self.history_copy(eng.vocab_size))
+        if self.trainer is not None:
+            from rhymerl.trainer import RESHARD_BUCKET_BYTES
+
+            eng.load_weights(t for bucket in self.trainer.backend.export_hf_weights(RESHARD_BUCKET_BYTES) for t in bucket)
+        return eng
+
+
+def _config_workload(args) -> Workload:
+    from rhymerl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    rollout = cfg.rollout
+    if args.max_tokens:
+        rollout = replace(rollout, max_tokens=args.max_tokens)
+    if args.temperature is not None:
+        rollout = replace(rollout, temperature=args.temperature)
+    trainer = None
+    if args.train_epochs > 0:
+        from rhymerl.collectives import WorldComm
+        from rhymerl.config import from_dict, to_dict
+        from rhymerl.trainer import Trainer
+        from rhymerl.training.process_groups import init_process_groups
+
+        d = to_dict(cfg)
+        d["run"]["output_dir"] = args.out
+        d["run"]["epochs"] = args.train_epochs
+        d["run"]["max_steps"] = 0
+        d["rollout"]["speculative"] = "none"
+        d["histopipe"]["enabled"] = False
+        tcfg = from_dict(d)
+        trainer = Trainer(tcfg, WorldComm(), init_process_groups(tcfg.parallel, 1, 0))
+        total = args.train_epochs * trainer.sampler.steps_per_epoch
+        t0 = time.perf_counter()
+        while trainer.step < total:
+            o = trainer.train_step()
+            print(f"[bench rollout] training step {o.step} epoch {o.epoch} reward {o.metrics['reward/mean']:.3f} "
+                  f"len {o.metrics['response/len_mean']:.0f}", file=sys.stderr)
+        print(f"[bench rollout] trained {args.train_epochs} epoch(s) in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        return Workload(trainer.model_path, trainer.prompt_ids, rollout, cfg.histospec, cfg.run.seed,
+                        cfg.data.prompts_per_step, history=trainer.history, trainer=trainer, dtype=cfg.model.dtype)
+    from transformers import AutoTokenizer
+
+    from rhymerl.data import few_shot_pool, load_records, render_prompt
+    from rhymerl.models import resolve_model
+
+    model_dir = resolve_model(cfg.model)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    records = load_records(cfg.data)
+    shots = few_shot_pool(records, cfg.data.few_shot, cfg.data.seed)
+    prompts = [render_prompt(r, shots[r.id], tok, cfg.data) for r in records]
+    return Workload(model_dir, prompts, rollout, cfg.histospec, cfg.run.seed, cfg.data.prompts_per_step,
+                    dtype=cfg.model.dtype)
+
+
+def _model_workload(args) -> Workload:
     from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
     from rhymerl.models import resolve_model
-    from rhymerl.rollout import RolloutEngine, RolloutError, SamplingSpec
 
     if args.model == "builtin:tiny":
         from rhymerl.config import TinyModelConfig
@@ -65,58 +180,170 @@ def run(args) -> dict:
     else:
         model_dir = resolve_model(ModelConfig(path=args.model))
     prompts = _prompts(model_dir, args.prompts)
-    sp = SamplingSpec(temperature=args.temperature, max_tokens=args.max_tokens, seed=None)
-    hs = HistoSpecConfig()
+    cfg = RolloutConfig(n=args.n, temperature=1.0 if args.temperature is None else args.temperature,
+                        max_tokens=args.max_tokens or 64, num_speculative_tokens=args.k,
+                        max_num_seqs=max(64, args.n * len(prompts)), max_model_len=1024, cpu_kv_cache_gb=1.0)
+    return Workload(model_dir, prompts, cfg, HistoSpecConfig(), args.seed, len(prompts))
+
+
+def _epoch(eng, w: Workload, temperature: float, seed_offset: int, record: bool = False) -> dict:
+    """One epoch of the workload's steps (prompts_per_step prompts x n each); summed engine figures."""
+    from rhymerl.rollout import SamplingSpec
+
+    tot: dict = {}
+    for s, i in enumerate(range(0, len(w.prompts), w.prompts_per_step)):
+        chunk = w.prompts[i:i + w.prompts_per_step]
+        sp = SamplingSpec(temperature=temperature, top_p=w.rollout.top_p, top_k=w.rollout.top_k,
+                          max_tokens=w.rollout.max_tokens, seed=w.seed + seed_offset + 100_000 * s)
+        eng.generate(chunk, w.rollout.n, sp, group_ids=[f"{s}:{g}" for g in range(len(chunk))], epoch=1,
+                     record_history=record)
+        for k, v in eng.metrics().items():
+            if isinstance(v, (int, float)):
+                tot[k] = tot.get(k, 0) + v
+    return _derived(tot)
+
+
+def _derived(t: dict) -> dict:
+    fwd, gen, prop = t.get("target_forwards", 0), t.get("generated_tokens", 0), t.get("draft_proposed", 0)
+    t["tokens_per_forward"] = gen / fwd if fwd else 0.0
+    t["acceptance_rate"] = t.get("draft_accepted", 0) / prop if prop else 0.0
+    t["mean_accepted_len"] = t.get("draft_accepted", 0) / t["drafts"] if t.get("drafts") else 0.0
+    t["tokens_per_s"] = gen / t["wall_s"] if t.get("wall_s") else 0.0
+    t["s_per_engine_step"] = t["wall_s"] / max(1, t.get("engine_steps", 0))
+    # Tokens the target model scored (1 + drafts per sequence-step): CPU cost is ~linear in them.
+    t["scored_tokens"] = fwd + prop
+    t["ms_per_scored_token"] = 1e3 * t["wall_s"] / max(1, fwd + prop)
+    return t
+
+
+def _warm(eng, w: Workload, temperature: float) -> None:
+    from rhymerl.rollout import SamplingSpec
+
+    eng.generate(w.prompts[:1], 1, SamplingSpec(temperature=temperature, max_tokens=8), record_history=False)
+
+
+def _fill_history(w: Workload) -> None:
+    """No run behind the workload: one untimed pass of the base policy becomes the history."""
+    eng = w.engine("none", len(w.prompts) * w.rollout.n)
+    try:
+        _warm(eng, w, w.rollout.temperature)
+        w.history = eng.history
+        _epoch(eng, w, w.rollout.temperature, seed_offset=1, record=True)
+    finally:
+        eng.shutdown()
+
+
+def run(args) -> dict:
+    w = _config_workload(args) if args.config else _model_workload(args)
+    temp = w.rollout.temperature
+    if w.history is None and "histospec" in args.methods:
+        _fill_history(w)
     results: dict = {}
     for method in args.methods:
-        cfg = RolloutConfig(speculative=method, n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
-                            num_speculative_tokens=args.k, max_num_seqs=max(64, args.n * len(prompts)),
-                            max_model_len=1024, cpu_kv_cache_gb=1.0)
         t0 = time.perf_counter()
+        from rhymerl.rollout import RolloutError
+
         try:
-            eng = RolloutEngine(cfg, hs, model_dir, seed=args.seed)
+            eng = w.engine(method, len(w.prompts) * w.rollout.n)
         except RolloutError as e:
             results[method] = {"error": str(e)}
             print(f"[{method}] skipped: {e}", file=sys.stderr)
             continue
         startup = time.perf_counter() - t0
         try:
-            eng.generate(prompts[:1], 1, SamplingSpec(temperature=args.temperature, max_tokens=8), epoch=0)  # warm-up (JIT)
-            eng.history = type(eng.history)(hs, vocab_size=eng.vocab_size)  # forget the warm-up
-            eng.generate(prompts, args.n, sp, epoch=1)
-            e1 = eng.metrics()
-            eng.generate(prompts, args.n, sp, epoch=2)
-            e2 = eng.metrics()
+            _warm(eng, w, temp)
+            if method == "suffix":
+                _epoch(eng, w, temp, seed_offset=1)  # fills suffix decoding's own response cache
+            r = _epoch(eng, w, temp, seed_offset=0)
         finally:
             eng.shutdown()
-        r = dict(e2)
         r["startup_s"] = startup
-        r["epoch1_tokens_per_forward"] = e1["tokens_per_forward"]
-        r["epoch1_wall_s"] = e1["wall_s"]
-        r["s_per_engine_step"] = e2["wall_s"] / max(1, e2["engine_steps"])
-        # Tokens the target model scored (1 + draft per sequence-step): CPU cost is ~linear in them.
-        scored = e2["target_forwards"] + e2["draft_proposed"]
-        r["scored_tokens"] = scored
-        r["ms_per_scored_token"] = 1e3 * e2["wall_s"] / max(1, scored)
         results[method] = r
-        print(f"[{method}] startup {startup:.1f}s epoch2 {e2['wall_s']:.2f}s {e2['tokens_per_s']:.0f} tok/s "
-              f"tok/fwd {e2['tokens_per_forward']:.2f} acc {e2['acceptance_rate']:.2f}", file=sys.stderr)
+        print(f"[{method}] {r['wall_s']:.2f}s {r['tokens_per_s']:.0f} tok/s tok/fwd {r['tokens_per_forward']:.2f} "
+              f"acc {r['acceptance_rate']:.2f}", file=sys.stderr)
     base = results.get("none", {}).get("wall_s")
     for r in results.values():
         if "wall_s" in r:
             r["speedup_vs_none"] = base / r["wall_s"] if base else None
-    return {
-        "model": args.model, "temperature": args.temperature, "n": args.n, "prompts": len(prompts),
-        "max_tokens": args.max_tokens, "num_speculative_tokens": args.k, "threads": os.environ.get("OMP_NUM_THREADS"),
-        "methods": results,
-    }
+    out = {"workload": args.config or args.model, "temperature": temp, "n": w.rollout.n, "prompts": len(w.prompts),
+           "max_tokens": w.rollout.max_tokens, "num_speculative_tokens": w.rollout.num_speculative_tokens,
+           "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
+           "methods": results}
+    if w.trainer is not None:
+        w.trainer.close()
+    return out
+
+
+def _cell_requests(w: Workload, c: int) -> list[tuple[int, list[int]]]:
+    """``c`` concurrent requests: prompts in order, n samples each (group index, prompt)."""
+    n = w.rollout.n
+    return [(j // n, w.prompts[(j // n) % len(w.prompts)]) for j in range(c)]
+
+
+def _cell(eng, w: Workload, temperature: float, c: int) -> dict:
+    from rhymerl.rollout import SamplingSpec
+
+    reqs = _cell_requests(w, c)
+    sp = SamplingSpec(temperature=temperature, top_p=w.rollout.top_p, top_k=w.rollout.top_k,
+                      max_tokens=w.rollout.max_tokens, seed=w.seed + 7919 * c)
+    eng.generate([p for _, p in reqs], 1, sp, group_ids=[f"sweep:{g}" for g, _ in reqs], epoch=1, record_history=False)
+    return _derived({k: v for k, v in eng.metrics().items() if isinstance(v, (int, float))})
+
+
+def run_sweep(args) -> dict:
+    w = _config_workload(args) if args.config else _model_workload(args)
+    temps = args.sweep_temperatures
+    concs = args.sweep_concurrency
+    if w.history is None:
+        _fill_history(w)
+    engines = {m: w.engine(m, max(concs)) for m in ("none", "histospec")}
+    cells = []
+    try:
+        for m, eng in engines.items():
+            for t in temps:
+                _warm(eng, w, t)
+        for t in temps:
+            for c in concs:
+                r = {m: _cell(eng, w, t, c) for m, eng in engines.items()}
+                ratio = r["none"]["wall_s"] / r["histospec"]["wall_s"] if r["histospec"]["wall_s"] > 0 else 0.0
+                cells.append({"temperature": t, "concurrency": c, "ratio": ratio,
+                              "tokens_per_forward": r["histospec"]["tokens_per_forward"],
+                              "acceptance_rate": r["histospec"]["acceptance_rate"],
+                              "none_wall_s": r["none"]["wall_s"], "histospec_wall_s": r["histospec"]["wall_s"],
+                              "generated_tokens": r["histospec"]["generated_tokens"]})
+                print(f"[sweep] T={t} c={c}: histospec/none {ratio:.3f}x tok/fwd "
+                      f"{r['histospec']['tokens_per_forward']:.2f}", file=sys.stderr)
+    finally:
+        for eng in reversed(list(engines.values())):
+            eng.shutdown()
+        if w.trainer is not None:
+            w.trainer.close()
+    ratios = [c["ratio"] for c in cells]
+    return {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
+            "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
+            "cells": cells, "min_ratio": min(ratios) if ratios else None,
+            "geomean_ratio": math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None}
+
+
+def _sweep_table(out: dict) -> str:
+    temps = sorted({c["temperature"] for c in out["cells"]})
+    concs = sorted({c["concurrency"] for c in out["cells"]})
+    by = {(c["temperature"], c["concurrency"]): c for c in out["cells"]}
+    lines = [f"rollout sweep: {out['workload']} n={out['n']} max_tokens={out['max_tokens']} "
+             f"trained epochs={out['trained_epochs']}: HistoSpec wall-time ratio to none (tokens per forward)",
+             f"{'T / requests':<14}" + "".join(f"{c:>16}" for c in concs)]
+    for t in temps:
+        lines.append(f"{t:<14}" + "".join(f"{by[(t, c)]['ratio']:>9.3f}x ({by[(t, c)]['tokens_per_forward']:.2f})"
+                                          for c in concs))
+    lines.append(f"min {out['min_ratio']:.3f}x  geomean {out['geomean_ratio']:.3f}x")
+    return "\n".join(lines)
 
 
 def _table(out: dict) -> str:
     cols = ["wall_s", "speedup_vs_none", "tokens_per_s", "tokens_per_forward", "acceptance_rate",
             "mean_accepted_len", "engine_steps", "scored_tokens", "ms_per_scored_token", "draft_time_s", "startup_s"]
-    lines = [f"rollout bench: {out['model']} T={out['temperature']} n={out['n']} prompts={out['prompts']} "
-             f"max_tokens={out['max_tokens']} k={out['num_speculative_tokens']} (epoch 2)",
+    lines = [f"rollout bench: {out['workload']} T={out['temperature']} n={out['n']} prompts={out['prompts']} "
+             f"max_tokens={out['max_tokens']} k={out['num_speculative_tokens']} trained epochs={out['trained_epochs']}",
              f"{'method':<10}" + "".join(f"{c[:18]:>19}" for c in cols)]
     for m, r in out["methods"].items():
         if "error" in r:
@@ -129,32 +356,45 @@ def _table(out: dict) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rhymerl bench rollout", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    p.add_argument("--quick", action="store_true", help="fewer prompts and tokens (a fast smoke run)")
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("-k", type=int, default=8, help="num_speculative_tokens")
+    p.add_argument("--config", default="configs/tiny-cpu.yaml",
+                   help="run config whose prompts, sampling and trained policy are measured ('' = --model workload)")
+    p.add_argument("--train-epochs", type=int, default=1,
+                   help="epochs of the config's RL loop trained before measuring (0: base policy)")
+    p.add_argument("--out", default="runs/bench-rollout", help="run folder of the training epochs")
+    p.add_argument("--model", default=None, help="measure this model on built-in chat questions instead of a config")
+    p.add_argument("--quick", action="store_true", help="capped tokens, no training: a run of a few minutes")
+    p.add_argument("--sweep", action="store_true",
+                   help="none vs HistoSpec over temperature {0, 0.7, 1.0} x concurrent requests {1, 8, 32, 64}")
+    p.add_argument("--prompts", type=int, default=8, help="--model workload: number of questions")
+    p.add_argument("--n", type=int, default=4, help="--model workload: samples per question")
+    p.add_argument("--max-tokens", type=int, default=0, help="override the workload's max_tokens")
+    p.add_argument("--temperature", type=float, default=None, help="override the workload's temperature")
+    p.add_argument("-k", type=int, default=8, help="--model workload: num_speculative_tokens")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--methods", default="none,ngram,suffix,histospec")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
     args = p.parse_args(argv)
+    if args.model:
+        args.config = ""
+    elif not args.config:
+        args.model = "builtin:smollm2-135m-instruct"
     if args.quick:
-        args.prompts, args.max_tokens = min(args.prompts, 4), min(args.max_tokens, 48)
+        args.train_epochs = 0
+        args.max_tokens = min(args.max_tokens or 32, 32)
+        args.prompts = min(args.prompts, 4)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        p.error(f"--methods: unknown {bad}; allowed: {', '.join(METHODS)}")
+    args.sweep_temperatures = SWEEP_TEMPERATURES
+    args.sweep_concurrency = SWEEP_CONCURRENCY
+    # One intra-op thread, as vLLM serves on a 2-core host: a second thread spin-waits at every
+    # parallel region and turns any other process on the machine into a stall of every kernel.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    # vLLM logs to stdout; keep stdout for the one JSON object.
-    sys.stdout.flush()
-    saved = os.dup(1)
-    os.dup2(2, 1)
-    try:
-        out = run(args)
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-    print(_table(out), file=sys.stderr)
+    with quiet_stdout():
+        out = run_sweep(args) if args.sweep else run(args)
+    print(_sweep_table(out) if args.sweep else _table(out), file=sys.stderr)
     if args.json:
         print(json.dumps(out))
     return 0

@@ -13,9 +13,10 @@ import sys
 # name -> (module, function, one-line help)
 BENCHES = {
     "histospec": ("bench.histospec", "main", "HistoSpec drafting vs n-gram/suffix on rollout traces (forward passes per token)"),
-    "rollout": ("bench.rollout", "main", "vLLM rollout: no-spec vs ngram vs suffix vs HistoSpec on epoch 2"),
+    "rollout": ("bench.rollout", "main", "vLLM rollout in the RL loop: no-spec vs ngram vs suffix vs HistoSpec; --sweep"),
+    "step": ("bench.step", "main", "where an engine step's time goes; the zero-draft tax of speculation"),
     "reshard": ("bench.reshard", "main", "Megatron -> vLLM weight transfer: GB/s and peak memory per bucket size"),
-    "e2e": ("bench.e2e", "main", "RL step time with HistoSpec+HistoPipe on vs off"),
+    "e2e": ("bench.e2e", "main", "RL step time with HistoSpec+HistoPipe on vs off, vs ngram and suffix"),
 }
 SIMULATIONS = {
     "histopipe": ("rhymerl.histopipe.simulator", "main", "cluster simulator: rollout schedulers on N GPUs"),

@@ -204,6 +204,36 @@ def test_empty_unknown_and_foreign_history_give_zero_drafts(hs_engine, caplog):
     assert foreign.lengths(prompt_key(PROMPTS[1])) == [[16]]  # nothing was added to the foreign store
 
 
+def test_steps_without_drafts_skip_the_rejection_sampler(none_engine, hs_engine):
+    """Speculation on, nobody drafting: every step samples as without speculation (no zero-draft tax)."""
+    from rhymerl.config import HistoSpecConfig
+    from rhymerl.histospec import HistoryStore
+    from rhymerl.rollout.engine import _runner_of
+
+    runner = hs_engine.llm.collective_rpc(_runner_of)[0]
+    calls = collections.Counter()
+    for name in ("sampler", "rejection_sampler"):
+        module = getattr(runner, name)
+        forward = module.forward
+
+        def counted(*a, _name=name, _forward=forward, **k):
+            calls[_name] += 1
+            return _forward(*a, **k)
+
+        module.forward = counted
+    try:
+        hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
+        got = hs_engine.generate(PROMPTS, 1, _greedy(12), epoch=0)
+        assert hs_engine.metrics()["draft_proposed"] == 0
+        assert calls["rejection_sampler"] == 0 and calls["sampler"] >= 12, calls
+        assert [r.token_ids for r in got] == [r.token_ids for r in none_engine.generate(PROMPTS, 1, _greedy(12))]
+        hs_engine.generate(PROMPTS, 1, _greedy(12), epoch=1)  # history now drafts: rejection sampling
+        assert hs_engine.metrics()["draft_proposed"] > 0 and calls["rejection_sampler"] > 0, calls
+    finally:
+        for name in ("sampler", "rejection_sampler"):
+            del getattr(runner, name).forward
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
 def test_greedy_baselines_equal_no_speculation(model_dir, none_engine, method):
     import importlib.util

@@ -21,7 +21,9 @@ def rs():
 
     from rhymerl.rollout import vllm_patches
 
-    assert vllm_patches.apply_all() == ["cpu_rejection_expand", "idempotent_kernel_registration"]
+    assert vllm_patches.apply_all() == ["cpu_rejection_expand", "idempotent_kernel_registration",
+                                        "zero_draft_plain_sampler", "recovered_noise_drafting_rows",
+                                        "sampled_logprobs_without_vocab_copies"]
     return rejection_sampler
 
 
@@ -68,3 +70,100 @@ def test_kernel_overrides_can_be_registered_again_after_numba_loads(rs):
         dispatcher._rhymerl_original_register_kernels(
             {"vllm.v1.sample.rejection_sampler.expand_kernel": dispatcher._registry[
                 "vllm.v1.sample.rejection_sampler.expand_kernel"][1]})
+
+
+def _recovery_case(seeded: bool):
+    import torch
+
+    vocab = 50
+    num_draft = [2, 0, 0, 1]
+    cu = torch.tensor([2, 2, 2, 3], dtype=torch.int32)
+    drafts = torch.tensor([3, 7, 11], dtype=torch.int32)
+    probs = torch.softmax(torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)), dim=-1)
+    gens = {i: torch.Generator().manual_seed(10 + i) for i in (0, 3)} if seeded else {}
+    meta = types.SimpleNamespace(generators=gens)
+    return (2, num_draft, cu, drafts, None, probs, meta, torch.device("cpu")), vocab
+
+
+def test_recovered_noise_is_drawn_for_drafting_requests_only(rs):
+    """Two of four requests drafted: the global generator advances by two rows of noise, not four."""
+    import torch
+
+    args, vocab = _recovery_case(seeded=False)
+    torch.manual_seed(0)
+    out = rs.sample_recovered_tokens(*args)
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    torch.empty(2, vocab).exponential_()
+    assert torch.equal(after, torch.rand(4))
+    assert out.shape == (3,) and all(0 <= t < vocab and t != d for t, d in zip(out.tolist(), [3, 7, 11]))
+
+
+def test_recovered_tokens_of_seeded_requests_are_unchanged(rs):
+    """Seeded requests draw their noise from their own generator exactly as vLLM does."""
+    args, _ = _recovery_case(seeded=True)
+    got = rs.sample_recovered_tokens(*args)
+    args, _ = _recovery_case(seeded=True)
+    want = rs._rhymerl_original_sample_recovered_tokens(*args)
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("method,drafts,hybrid,plain", [
+    ("custom_class", 0, False, True), ("ngram", 0, False, True), ("suffix", 0, False, True),
+    ("custom_class", 3, False, False),  # somebody drafted: rejection sampling
+    ("eagle", 0, False, False),  # its drafter reads the spec-decode metadata
+    ("ngram", 0, True, False),  # recurrent state counts accepted tokens
+])
+def test_zero_draft_step_takes_plain_sampler(rs, method, drafts, hybrid, plain):
+    from rhymerl.rollout.vllm_patches import zero_draft_step_takes_plain_sampler
+
+    runner = types.SimpleNamespace(speculative_config=types.SimpleNamespace(method=method),
+                                   model_config=types.SimpleNamespace(is_hybrid=hybrid))
+    meta = types.SimpleNamespace(max_spec_len=drafts)
+    assert zero_draft_step_takes_plain_sampler(runner, meta) is plain
+    assert zero_draft_step_takes_plain_sampler(runner, None) is False
+
+
+def test_sampled_logprobs_match_vllms_full_vocabulary_path(rs):
+    """Same log-probs and ranks at every real slot as vLLM's zero-buffer + log-softmax path."""
+    import torch
+
+    from rhymerl.rollout import vllm_patches
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    assert int(rs.PLACEHOLDER_TOKEN_ID) == vllm_patches.PLACEHOLDER_TOKEN_ID
+    g = torch.Generator().manual_seed(3)
+    vocab, num_draft = 97, [3, 0, 1, 2]
+    drafts = torch.randint(0, vocab, (sum(num_draft),), generator=g, dtype=torch.int32)
+    # Request i scores rows start_i .. start_i + d_i: its d_i drafts' target rows, then its bonus row.
+    starts = [sum(num_draft[:i]) + i for i in range(len(num_draft))]
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    meta = SpecDecodeMetadata(
+        draft_token_ids=drafts, num_draft_tokens=num_draft,
+        cu_num_draft_tokens=i32([sum(num_draft[:i + 1]) for i in range(4)]),
+        cu_num_sampled_tokens=i32([sum(num_draft[:i + 1]) + i + 1 for i in range(4)]),
+        target_logits_indices=i32([s + j for s, d in zip(starts, num_draft) for j in range(d)]),
+        bonus_logits_indices=i32([s + d for s, d in zip(starts, num_draft)]),
+        logits_indices=i32(list(range(sum(num_draft) + 4))))
+    rows = sum(num_draft) + len(num_draft)
+    logits = torch.randn(rows, vocab, generator=g)
+    target = logits[meta.target_logits_indices] / 0.7
+    target[:, :5] = float("-inf")  # top-k style masked entries
+    bonus = logits[meta.bonus_logits_indices] / 0.7
+    # Request 0 accepted 1 of 3 drafts, 1 had none, 2 accepted its draft, 3 rejected at once.
+    out = torch.full((4, 4), -1, dtype=torch.int32)
+    out[0, :2] = torch.tensor([7, 9])
+    out[1, 0] = 11
+    out[2, :2] = torch.tensor([13, 14])
+    out[3, 0] = 20
+    sampler = types.SimpleNamespace(is_logits_logprobs_mode=False)
+    got = vllm_patches.sampled_logprobs_tensors(sampler, 0, meta, logits, target, bonus, out)
+    want = rs.RejectionSampler._rhymerl_original_get_logprobs_tensors(
+        types.SimpleNamespace(is_logits_logprobs_mode=False,
+                              sampler=__import__("vllm.v1.sample.sampler", fromlist=["Sampler"]).Sampler()),
+        0, meta, logits, target, bonus, out)
+    real = (out != -1).flatten()
+    assert got.logprob_token_ids.shape == want.logprob_token_ids.shape == (16, 1)
+    assert torch.equal(got.logprob_token_ids[real], want.logprob_token_ids[real])
+    assert torch.allclose(got.logprobs[real], want.logprobs[real], atol=1e-5)
+    assert torch.equal(got.selected_token_ranks[real], want.selected_token_ranks[real])

@@ -1,0 +1,234 @@
+"""Where an engine step's time goes, and what speculation with no drafts costs.
+
+For each method, in one process, with the same requests: build a rollout engine, decode
+a fixed number of tokens for each batch size (ignore_eos), and split every engine step
+into phases timed around vLLM's own functions: scheduling, input preparation, the model
+forward, the output layer (logits over the vocabulary), sampling (with log-probs, or
+rejection sampling when drafts exist), drafting, bookkeeping and output processing.
+From two batch sizes it fits step time = fixed + per request x requests.
+
+The zero-draft tax: ``histospec`` with an empty history proposes nothing, so its steps
+do the same work as ``none``; it is measured with rhymerl's sampler patches on (the
+shipped path) and off (vLLM's own path), and reported as a ratio to ``none`` in the same
+run. The cost of a draft token: ``histospec`` drafting from an untimed pass over the same
+requests, (step time - none's step time) / drafts per step, patched and unpatched.
+
+    python -m rhymerl bench step --json
+    python -m rhymerl bench step --sizes 2,32 --tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+# Phase -> (object path, attribute): methods wrapped with a timer on the live engine.
+PHASES = {
+    "schedule": ("scheduler", "schedule"),
+    "update": ("scheduler", "update_from_output"),
+    "prepare": ("runner", "_prepare_inputs"),
+    "forward": ("runner", "_model_forward"),
+    "logits": ("model", "compute_logits"),
+    "sample": ("runner", "_sample"),
+    "draft": ("runner", "propose_draft_token_ids"),
+    "bookkeep": ("runner", "_bookkeeping_sync"),
+    "output": ("output_processor", "process_outputs"),
+}
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase of the wrapped engine's steps."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def wrap(self, obj: Any, attr: str, phase: str) -> None:
+        seconds = self.seconds
+        if attr in getattr(obj, "__dict__", {}):
+            inner: Callable = getattr(obj, attr)
+        else:
+            # Looked up on the class at each call: a vLLM patch swapped in or out later still counts.
+            cls = type(obj)
+
+            def inner(*args: Any, **kwargs: Any) -> Any:
+                return getattr(cls, attr)(obj, *args, **kwargs)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                seconds[phase] += time.perf_counter() - t0
+
+        setattr(obj, attr, timed)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+
+
+def instrument(engine: Any) -> PhaseTimer:
+    from rhymerl.rollout.engine import _runner_of
+
+    runner = engine.llm.collective_rpc(_runner_of)[0]
+    objs = {"runner": runner, "model": runner.model, "scheduler": engine._engine.engine_core.engine_core.scheduler,
+            "output_processor": engine._engine.output_processor}
+    timer = PhaseTimer()
+    for phase, (obj, attr) in PHASES.items():
+        timer.wrap(objs[obj], attr, phase)
+    return timer
+
+
+def fit_line(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of y over x; one point gives slope 0."""
+    if len(points) < 2:
+        return (points[0][1] if points else 0.0), 0.0
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def _measure(engine: Any, timer: PhaseTimer, prompts: list[list[int]], tokens: int, temperature: float) -> dict:
+    from rhymerl.rollout import SamplingSpec
+
+    timer.reset()
+    engine.generate(prompts, 1, SamplingSpec(temperature=temperature, max_tokens=tokens, ignore_eos=True),
+                    record_history=False)
+    m = engine.metrics()
+    steps = max(1, m["engine_steps"])
+    row = {f"{k}_ms": 1e3 * v / steps for k, v in sorted(timer.seconds.items())}
+    row["step_ms"] = 1e3 * m["wall_s"] / steps
+    named = sum(v for k, v in row.items() if k != "step_ms")
+    row["other_ms"] = row["step_ms"] - named
+    row["steps"] = m["engine_steps"]
+    row["draft_proposed"] = m["draft_proposed"]
+    row["drafts_per_step"] = m["draft_proposed"] / steps
+    row["tokens_per_forward"] = m["tokens_per_forward"]
+    return row
+
+
+# label -> (engine, drafts from a history of the same requests, rhymerl's sampler patches on)
+VARIANTS = {
+    "none": ("none", False, True),
+    "histospec-no-drafts": ("histospec", False, True),
+    "histospec-no-drafts-unpatched": ("histospec", False, False),
+    "histospec-drafts": ("histospec", True, True),
+    "histospec-drafts-unpatched": ("histospec", True, False),
+}
+
+
+def run(args) -> dict:
+    from bench.rollout import _prompts
+    from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
+    from rhymerl.histospec import HistoryStore
+    from rhymerl.models import resolve_model
+    from rhymerl.rollout import RolloutEngine, SamplingSpec
+    from rhymerl.rollout import vllm_patches
+
+    model_dir = resolve_model(ModelConfig(path=args.model))
+    prompts = _prompts(model_dir, max(args.sizes))
+    out: dict = {"model": args.model, "tokens": args.tokens, "temperature": args.temperature, "sizes": args.sizes,
+                 "repeats": args.repeats, "threads": os.environ.get("OMP_NUM_THREADS"), "variants": {}}
+    engines: dict = {}
+    timers: dict = {}
+    hs = HistoSpecConfig()
+    try:
+        for method in ("none", "histospec"):
+            cfg = RolloutConfig(speculative=method, n=1, temperature=args.temperature, max_tokens=args.tokens,
+                                num_speculative_tokens=8, max_num_seqs=max(64, max(args.sizes)), max_model_len=1024,
+                                cpu_kv_cache_gb=1.0)
+            engines[method] = RolloutEngine(cfg, hs, model_dir, seed=args.seed)
+            timers[method] = instrument(engines[method])
+            engines[method].generate(prompts[:2], 1, SamplingSpec(temperature=args.temperature, max_tokens=4),
+                                     record_history=False)  # warm-up
+        spec = engines["histospec"]
+        rows: dict = {label: {} for label in VARIANTS}
+        for n in args.sizes:
+            empty = HistoryStore(hs, vocab_size=spec.vocab_size)
+            filled = HistoryStore(hs, vocab_size=spec.vocab_size)
+            spec.set_history(filled)  # an untimed pass over the same requests is the history to draft from
+            spec.generate(prompts[:n], 1, SamplingSpec(temperature=args.temperature, max_tokens=args.tokens,
+                                                       ignore_eos=True), epoch=0)
+            reps: dict = {label: [] for label in VARIANTS}
+            # Variants interleaved, repeated: drift of the machine's load hits them alike.
+            for _ in range(args.repeats):
+                for label, (method, drafts, patched) in VARIANTS.items():
+                    if method == "histospec":
+                        spec.set_history(filled if drafts else empty)
+                    if not patched:
+                        vllm_patches.unpatch_zero_draft_plain_sampler()
+                        vllm_patches.unpatch_rejection_sampler_cuts()
+                    try:
+                        reps[label].append(_measure(engines[method], timers[method], prompts[:n], args.tokens,
+                                                    args.temperature))
+                    finally:
+                        if not patched:
+                            vllm_patches.apply_all()
+            for label, rs in reps.items():
+                rows[label][n] = sorted(rs, key=lambda r: r["step_ms"])[len(rs) // 2]
+            print(f"[{n} requests] " + "  ".join(f"{lb}: {rows[lb][n]['step_ms']:.1f}" for lb in VARIANTS) + " ms/step",
+                  file=sys.stderr)
+    finally:
+        for eng in reversed(list(engines.values())):
+            eng.shutdown()
+    for label, by_size in rows.items():
+        fixed, per_req = fit_line([(n, r["step_ms"]) for n, r in by_size.items()])
+        out["variants"][label] = {"by_size": by_size, "fixed_ms": fixed, "per_request_ms": per_req}
+    base = out["variants"]["none"]["by_size"]
+    for label, v in out["variants"].items():
+        v["ratio_to_none"] = {n: r["step_ms"] / base[n]["step_ms"] for n, r in v["by_size"].items()}
+        # What one more scored draft token adds to a step, against the same requests without speculation.
+        v["ms_per_draft_token"] = {n: (r["step_ms"] - base[n]["step_ms"]) / r["drafts_per_step"]
+                                   for n, r in v["by_size"].items() if r["drafts_per_step"] > 0}
+    return out
+
+
+def _table(out: dict) -> str:
+    phases = [f"{p}_ms" for p in PHASES] + ["other_ms", "step_ms"]
+    lines = [f"engine step: {out['model']} T={out['temperature']} {out['tokens']} tokens per request, "
+             f"threads={out['threads']} (ms per engine step)",
+             f"{'variant':<31}{'reqs':>5}" + "".join(f"{p[:-3]:>9}" for p in phases) + f"{'vs none':>9}"]
+    for label, v in out["variants"].items():
+        for n, r in v["by_size"].items():
+            lines.append(f"{label:<31}{n:>5}" + "".join(f"{r.get(p, 0.0):>9.2f}" for p in phases)
+                         + f"{v['ratio_to_none'][n]:>9.3f}")
+        per_draft = "  ".join(f"{n} req: {x:.2f} ({v['by_size'][n]['drafts_per_step']:.1f} drafts/step)"
+                              for n, x in v["ms_per_draft_token"].items())
+        lines.append(f"{'':<31}fit: {v['fixed_ms']:.1f} ms fixed + {v['per_request_ms']:.2f} ms per request"
+                     + (f"; ms per draft token: {per_draft}" if per_draft else ""))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="rhymerl bench step", description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    p.add_argument("--sizes", default="2,32", help="concurrent requests, comma-separated")
+    p.add_argument("--tokens", type=int, default=24, help="tokens decoded per request")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per variant (median kept)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    # As bench rollout: one intra-op thread, what vLLM serves with on a 2-core host.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from bench.rollout import quiet_stdout
+
+    with quiet_stdout():
+        out = run(args)
+    print(_table(out), file=sys.stderr)
+    if args.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""The benchmarks' pure parts: one JSON object on stdout, per-step figures named for what they hold,
+the sweep's cells and table, the step-cost fit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.cpu]
+
+
+def test_quiet_stdout_sends_native_writes_to_stderr():
+    """vLLM and Megatron log through file descriptor 1: inside quiet_stdout that lands on stderr."""
+    code = (
+        "import os, sys, json\n"
+        "from bench.rollout import quiet_stdout\n"
+        "with quiet_stdout():\n"
+        "    os.write(1, b'INFO engine log line\\n')\n"
+        "    print('a python print')\n"
+        "print(json.dumps({'ok': 1}))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.splitlines() == ['{"ok": 1}']
+    assert "INFO engine log line" in res.stderr and "a python print" in res.stderr
+
+
+def test_e2e_step_rows_keep_the_reward_apart_from_the_reward_phase_time():
+    from bench.e2e import step_row, summarize
+
+    rows = [step_row(e, {"time/step_s": 2.0 + e, "reward/mean": 0.25 + e, "time/reward_s": 0.5, "time/rollout_s": 1.5,
+                         "histospec/tokens_per_forward": 1.0 + e, "response/len_mean": 100.0}) for e in (0, 1, 2)]
+    res = summarize(rows)
+    assert [r["reward_mean"] for r in res["per_step"]] == [0.25, 1.25, 2.25]
+    assert res["reward_mean"] == 1.75 and res["phases"]["reward"] == 0.5 and res["phases"]["rollout"] == 1.5
+    assert res["steps_measured"] == 2 and res["step_s"] == 3.5 and res["tokens_per_forward"] == 2.5
+    json.dumps(res)
+
+
+def test_sweep_cells_take_whole_groups_in_prompt_order():
+    from bench.rollout import Workload, _cell_requests
+    from rhymerl.config import HistoSpecConfig, RolloutConfig
+
+    w = Workload(None, [[1], [2], [3]], RolloutConfig(n=4), HistoSpecConfig(), 0, 8)
+    assert _cell_requests(w, 1) == [(0, [1])]
+    reqs = _cell_requests(w, 8)
+    assert [g for g, _ in reqs] == [0] * 4 + [1] * 4 and reqs[4][1] == [2]
+    assert [p for _, p in _cell_requests(w, 16)][12:] == [[1]] * 4  # wraps around the prompts
+
+
+def test_sweep_table_prints_every_cell():
+    from bench.rollout import _sweep_table
+
+    cells = [{"temperature": t, "concurrency": c, "ratio": 1.0 + t + c / 100, "tokens_per_forward": 2.0}
+             for t in (0.0, 1.0) for c in (1, 64)]
+    text = _sweep_table({"workload": "cfg", "n": 4, "max_tokens": 32, "trained_epochs": 1, "cells": cells,
+                         "min_ratio": 1.01, "geomean_ratio": 1.5})
+    assert "1.010x" in text and "2.640x" in text and "min 1.010x" in text
+
+
+def test_fit_line_recovers_fixed_and_per_request_cost():
+    from bench.step import fit_line
+
+    assert fit_line([(2, 70.0), (32, 250.0)]) == pytest.approx((58.0, 6.0))
+    assert fit_line([(8, 100.0)]) == (100.0, 0.0)
+
+
+def test_phase_timer_follows_a_method_patched_after_wrapping():
+    """bench step swaps vLLM patches in and out on a wrapped engine: the timer must call the current one."""
+    from bench.step import PhaseTimer
+
+    class Runner:
+        def sample(self, x):
+            return x + 1
+
+    r, timer = Runner(), PhaseTimer()
+    timer.wrap(r, "sample", "sample")
+    assert r.sample(1) == 2
+    Runner.sample = lambda self, x: x + 10
+    assert r.sample(1) == 11 and timer.seconds["sample"] > 0
