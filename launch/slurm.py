@@ -119,9 +119,10 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
     if slurm.account:
         sb.append(f"--account={slurm.account}")
     if slurm.signal_lead_s:
-        # No "B:" prefix: the signal goes to every task of the job steps, where
-        # launch.preemption.PreemptionHandler sets the flag the trainer polls.
-        sb.append(f"--signal=USR1@{slurm.signal_lead_s}")
+        # Without "B:" the signal goes to every process of the job steps, where
+        # launch.preemption.PreemptionHandler sets the flag the trainer polls; with it, to the
+        # batch shell, whose trap below forwards it to the tasks.
+        sb.append(f"--signal={'B:' if slurm.signal_batch else ''}USR1@{slurm.signal_lead_s}")
     sb.append("--requeue" if slurm.requeue else "--no-requeue")
     for extra in slurm.extra_sbatch:
         extra = extra.strip()

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -80,10 +81,14 @@ def _trace_rows(trainer, out) -> list[dict]:
              "logprobs": s.logprobs, "reward": s.reward} for s in out.samples]
 
 
-def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
+def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int:
+    """``preempt``: a launch.preemption.PreemptionHandler installed by the caller as early as
+    possible (a signal before it exists kills the process); one is installed here otherwise."""
+    from launch.preemption import PreemptionHandler, requeue_current_job
+
+    preempt = preempt if preempt is not None else PreemptionHandler()
     import torch
 
-    from launch.preemption import PreemptionHandler, requeue_current_job
     from rhymerl.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
     from rhymerl.collectives import WorldComm
     from rhymerl.trainer import Trainer
@@ -102,7 +107,6 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
     if loaded is not None and loaded.config is not None:
         check_compatible(loaded.config, to_dict(cfg))
 
-    preempt = PreemptionHandler()
     trainer = Trainer(cfg, comm, groups)
     run_id = None
     if loaded is not None:
@@ -141,11 +145,18 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
             metrics_file.append(out.step, [_plain_metrics(out.metrics)])
             traces_file.append(out.step, _trace_rows(trainer, out))
             stop = comm.any_true(preempt.requested)
+            requeue = stop and comm.any_true(preempt.requeue_requested)
             last = trainer.step == cfg.run.max_steps if cfg.run.max_steps else trainer.sampler.next_epoch >= cfg.run.epochs
             if stop or ckpt.should_save(trainer.step) or last:
                 save()
-            if stop:
+            if stop and not last:
+                # W&B's files are complete before the job ends or is requeued.
                 tracker.finish()
+                if not requeue:
+                    if rank == 0:
+                        log.warning("stopped after step %d on %s: checkpoint saved, job not requeued",
+                                    trainer.step, preempt.signal_name)
+                    return 128 + signal.SIGTERM
                 if rank == 0:
                     requeued = requeue_current_job()
                     log.warning("preempted after step %d: checkpoint saved%s", trainer.step,
@@ -161,6 +172,10 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
 
 
 def run_from_config(argv: list[str]) -> int:
+    from launch.preemption import PreemptionHandler
+
+    # First: a preemption notice that arrives while the trainer starts must not kill it.
+    preempt = PreemptionHandler()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         cfg = load_config(argv[0], argv[1:])
@@ -169,7 +184,7 @@ def run_from_config(argv: list[str]) -> int:
         return 2
     rank, world_size, _ = launcher_env()
     t0 = time.time()
-    rc = run(cfg, rank, world_size)
+    rc = run(cfg, rank, world_size, preempt)
     if rank == 0:
         log.info("finished in %.1f s", time.time() - t0)
     return rc
