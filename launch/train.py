@@ -49,14 +49,24 @@ class StepLog:
         if not enabled:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        keep = []
-        if path.is_file() and resume_step > 0:
+        keep, dropped = [], 0
+        if path.is_file() and resume_step == 0 and path.stat().st_size:
+            # A fresh start never erases an earlier run's rows: they move aside, with a message.
+            aside = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, aside)
+            log.warning("%s holds rows of an earlier run; moved them to %s", path, aside.name)
+        elif path.is_file():
             for line in path.read_text().splitlines():
                 try:
                     if json.loads(line)["step"] < resume_step:
                         keep.append(line)
-                except (json.JSONDecodeError, KeyError):
-                    continue
+                        continue
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    pass
+                dropped += 1
+            if dropped:
+                log.warning("%s: dropped %d row(s) of steps >= %d (or unreadable), which ran after the checkpoint "
+                            "and run again now", path, dropped, resume_step)
         from rhymerl.atomic import atomic_write_text
 
         atomic_write_text(path, "".join(k + "\n" for k in keep))
@@ -101,9 +111,11 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
     groups = init_process_groups(cfg.parallel, world_size, rank)
     comm = WorldComm(rank=rank, world_size=world_size)
     run_dir = Path(cfg.run.output_dir)
-    ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank, world_size, barrier=comm.barrier)
-    resume = comm.broadcast_object(str(ckpt.find_resume() or "") if rank == 0 else None)
-    loaded = ckpt.load(Path(resume)) if resume else None
+    # Collective: a bad checkpoint.resume raises on every rank; files are verified once, in parallel.
+    ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank, world_size, barrier=comm.barrier,
+                             broadcast_object=comm.broadcast_object, all_gather_object=comm.all_gather_object)
+    resume = ckpt.find_resume()
+    loaded = ckpt.load(resume, verify=False) if resume else None
     if loaded is not None and loaded.config is not None:
         check_compatible(loaded.config, to_dict(cfg))
 

@@ -211,6 +211,8 @@ class CheckpointConfig:
     keep_last: int = 2
     # "auto" resumes from the newest valid checkpoint in `dir`; "never"; or a path.
     resume: str = "auto"
+    # With resume=never: delete the checkpoints another run left in `dir` (refused otherwise).
+    overwrite: bool = False
 
 
 @dataclass

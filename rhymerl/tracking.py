@@ -313,6 +313,10 @@ class Tracker:
             return
         try:
             run.finish(exit_code=exit_code)
+            # Close the connection to wandb-core now: a job's SIGTERM (scancel, the one that
+            # follows a requeue) ends wandb-core, which ignores masks for TERM, and an exit-time
+            # teardown would then print a traceback after a complete run.
+            self._wandb.teardown()
         except Exception as e:  # noqa: BLE001
             self._warn_once("finish", e)
 

@@ -127,8 +127,48 @@ def test_explicit_resume_path_must_be_valid(tmp_path):
 
 def test_resume_never_and_fresh_auto(tmp_path):
     assert _mgr(tmp_path).find_resume() is None
-    _save(_mgr(tmp_path), 1)
     assert _mgr(tmp_path, resume="never").find_resume() is None
+
+
+def test_resume_never_in_a_used_folder_is_refused_unless_overwrite(tmp_path):
+    _save(_mgr(tmp_path), 1)
+    _save(_mgr(tmp_path), 2)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(CheckpointError, match=rf"resume=never, but {root} holds .*step-000002.*checkpoint.overwrite=true"):
+        _mgr(tmp_path, resume="never").find_resume()
+    assert len(_mgr(tmp_path).step_folders()) == 2
+    with pytest.warns(UserWarning, match="deleting the 2 checkpoints"):
+        assert _mgr(tmp_path, resume="never", overwrite=True).find_resume() is None
+    assert _mgr(tmp_path).step_folders() == [] and not (root / "latest").exists()
+    # The new run's step 1 is its own, not the old one kept because it was valid.
+    fresh = _save(_mgr(tmp_path, resume="never"), 1, b"new-run")
+    assert (fresh / "backend" / "model.pt").read_bytes() == b"weights-1-new-run"
+
+
+def test_all_corrupt_folder_under_auto_is_an_error(tmp_path):
+    for step in (1, 2):
+        p = _save(_mgr(tmp_path), step)
+        f = p / "state" / "history.bin"
+        f.write_bytes(b"X" * f.stat().st_size)
+    with pytest.warns(UserWarning, match="skipping incomplete"):
+        with pytest.raises(CheckpointError, match=r"resume=auto: none of the 2 checkpoint folders .* is complete"):
+            _mgr(tmp_path).find_resume()
+
+
+def test_assign_files_gives_each_rank_its_own_and_balances_the_rest():
+    from rhymerl.checkpoint import assign_files
+
+    files = {"ranks/rank-00001.pkl": 10, "ranks/rank-00000.pkl": 10, "backend/__1_0.distcp": 1000,
+             "backend/__0_0.distcp": 900, "backend/common.pt": 500, "state/history.bin": 400,
+             "config.yaml": 5, "backend/.metadata": 50}
+    out = assign_files(files, 2)
+    assert sorted(out[0] + out[1]) == sorted(files)
+    assert {"ranks/rank-00000.pkl", "backend/__0_0.distcp"} <= set(out[0])
+    assert {"ranks/rank-00001.pkl", "backend/__1_0.distcp"} <= set(out[1])
+    loads = [sum(files[f] for f in part) for part in out]
+    assert max(loads) - min(loads) <= 500
+    # More ranks than files: every file still exactly once.
+    assert sorted(f for part in assign_files(files, 16) for f in part) == sorted(files)
 
 
 def test_failed_save_leaves_previous_checkpoint_and_pointer_untouched(tmp_path):
@@ -225,7 +265,7 @@ def test_complete_folder_newer_than_pointer_wins(tmp_path):
     _save(mgr, 1)
     _save(mgr, 2)
     (tmp_path / "checkpoints" / "latest").write_text("step-000001\n")
-    with pytest.warns(UserWarning, match="step-000002 is newer and complete"):
+    with pytest.warns(UserWarning, match="step-000002 is newer; using it if it is complete"):
         assert mgr.find_resume().name == "step-000002"
 
 
