@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig, load_config
+from rhymerl.preflight import preflight
 
 DEFAULT_ENTRY = ("-m", "launch.rank_main")
 # Below Linux's default ephemeral range (32768-60999), so an outgoing connection of
@@ -246,9 +247,13 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--no-check", action="store_true", help="skip the checks of the model, data and tasks")
     args = p.parse_args(list(argv))
     try:
         cfg = load_config(args.config, args.overrides)
+        if not args.no_check:
+            # What would fail at start-up fails here, before the job waits in the queue.
+            preflight(cfg, layout(cfg.slurm, cfg.parallel)[1])
         text = render_script(cfg.slurm, cfg.parallel, job_name=cfg.run.name, config_path=Path(args.config),
                              overrides=args.overrides, python=cfg.slurm.python or None, setup_lines=cfg.slurm.setup)
     except ConfigError as e:
