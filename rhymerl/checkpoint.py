@@ -3,9 +3,9 @@
 Layout of one checkpoint (``<dir>/step-000012/``)::
 
     backend/            written by the training backend's own collective save
-    state/<key>.bin     opaque blobs given as bytes (history store, sampler, ...)
-    state/<key>.pkl     other picklable objects (counters, small dicts)
-    ranks/rank-00003.pkl   per-rank state (RNG of python/numpy/torch, ...)
+    state/<key>.bin     opaque blobs given as bytes (history store, ...)
+    state/<key>.json    other state (counters, sampler, predictor; rhymerl.state_json)
+    ranks/rank-00003.json  per-rank state (RNG of python/numpy/torch, ...)
     config.yaml         the resolved run config
     manifest.json       sha256 and size of every file above; written LAST
 
@@ -31,7 +31,6 @@ import hashlib
 import json
 import logging
 import os
-import pickle
 import re
 import shutil
 import time
@@ -42,12 +41,15 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
+from rhymerl import state_json
 from rhymerl.atomic import atomic_write_text, fsync_dir, fsync_tree
 from rhymerl.config import CheckpointConfig
 
 log = logging.getLogger("rhymerl.checkpoint")
 
-FORMAT_VERSION = 1
+# 2: state as JSON (rhymerl.state_json). 1 pickled it; pickles can run code when loaded,
+# so those checkpoints are refused rather than read.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
@@ -134,6 +136,9 @@ def verify_checkpoint(path: Path, *, hashes: bool = True, only: Optional[set] = 
         int(manifest["step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{mpath} is unreadable: {e}"
+    if manifest.get("format") == 1:
+        return (f"{mpath}: written by an older RhymeRL that pickled its state; pickles can run code when "
+                "loaded, so it is not read. Resume from a newer checkpoint or start over")
     if manifest.get("format") != FORMAT_VERSION:
         return f"{mpath}: unknown format {manifest.get('format')!r} (this RhymeRL writes {FORMAT_VERSION})"
     for rel, meta in files.items():
@@ -444,7 +449,7 @@ class CheckpointManager:
              backend_save: Optional[Callable[[Path], None]] = None, *, config: Optional[Mapping] = None) -> Path:
         """Write checkpoint ``step`` collectively; every rank calls this. Returns the final folder.
 
-        ``state`` (rank 0's copy is written): bytes are stored as-is, anything else pickled.
+        ``state`` (rank 0's copy is written): bytes are stored as-is, anything else as JSON.
         ``rank_state``: this rank's private state (e.g. ``capture_rng_state()``).
         ``backend_save(folder)``: the backend's collective save into ``<ckpt>/backend``.
         ``config``: the resolved config dict (stored as YAML; used by ``check_compatible``).
@@ -486,8 +491,8 @@ class CheckpointManager:
                 (tmp / "backend").mkdir(exist_ok=True)
                 backend_save(tmp / "backend")
             if rank_state is not None:
-                _write_fsynced(tmp / "ranks" / f"rank-{self.rank:05d}.pkl",
-                               pickle.dumps(dict(rank_state), protocol=pickle.HIGHEST_PROTOCOL))
+                _write_fsynced(tmp / "ranks" / f"rank-{self.rank:05d}.json",
+                               state_json.dumps(dict(rank_state), f"rank_state of rank {self.rank}"))
             if self.rank == 0:
                 kinds = self._write_state(tmp, state, config)
         except BaseException as e:  # noqa: BLE001 - reraised after the other ranks are released
@@ -524,8 +529,8 @@ class CheckpointManager:
                 _write_fsynced(tmp / "state" / f"{key}.bin", bytes(value))
                 kinds[key] = "bytes"
             else:
-                _write_fsynced(tmp / "state" / f"{key}.pkl", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-                kinds[key] = "pickle"
+                _write_fsynced(tmp / "state" / f"{key}.json", state_json.dumps(value, f"state[{key!r}]"))
+                kinds[key] = "json"
         if config is not None:
             _write_fsynced(tmp / "config.yaml", yaml.safe_dump(_plain(config), sort_keys=False).encode())
         return kinds
@@ -560,7 +565,7 @@ class CheckpointManager:
     def _finish_on_rank0(self, step: int, kinds: dict[str, str], has_config: bool, tmp: Path,
                          final: Path, with_ranks: bool, files: dict[str, dict]) -> None:
         if with_ranks:
-            have = sorted(p.name for p in (tmp / "ranks").glob("rank-*.pkl"))
+            have = sorted(p.name for p in (tmp / "ranks").glob("rank-*.json"))
             if len(have) != self.world_size:
                 raise CheckpointError(f"checkpoint {final}: expected {self.world_size} rank files, found {len(have)} "
                                       "(is the checkpoint folder on a filesystem every rank shares?)")
@@ -612,13 +617,11 @@ class CheckpointManager:
             if kind == "bytes":
                 state[key] = (path / "state" / f"{key}.bin").read_bytes()
             else:
-                with open(path / "state" / f"{key}.pkl", "rb") as f:
-                    state[key] = pickle.load(f)
+                state[key] = state_json.loads((path / "state" / f"{key}.json").read_bytes())
         rank_state = None
-        rfile = path / "ranks" / f"rank-{self.rank:05d}.pkl"
+        rfile = path / "ranks" / f"rank-{self.rank:05d}.json"
         if rfile.is_file():
-            with open(rfile, "rb") as f:
-                rank_state = pickle.load(f)
+            rank_state = state_json.loads(rfile.read_bytes())
         config = None
         if (path / "config.yaml").is_file():
             config = yaml.safe_load((path / "config.yaml").read_text())

@@ -40,7 +40,7 @@ def test_roundtrip_writes_every_part_and_manifest_last(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000012"
     manifest = json.loads((path / "manifest.json").read_text())
     assert set(manifest["files"]) == {"backend/model.pt", "backend/sub/optim.pt", "state/history.bin",
-                                      "state/counters.pkl", "ranks/rank-00000.pkl", "config.yaml"}
+                                      "state/counters.json", "ranks/rank-00000.json", "config.yaml"}
     assert verify_checkpoint(path) is None
     loaded = mgr.load(mgr.find_resume())
     assert loaded.step == 12
