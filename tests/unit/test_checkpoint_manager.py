@@ -305,3 +305,87 @@ def test_collective_find_resume_uses_rank0s_answer(tmp_path):
             t.join(30)
         assert not errors, errors
         assert check(out[0]) and check(out[1]), out
+
+
+class _ThreadWorld:
+    """Object collectives over threads, standing in for torch.distributed's."""
+
+    def __init__(self, n: int):
+        self.n, self.bar, self.box = n, threading.Barrier(n), {}
+
+    def all_gather(self, rank: int, obj):
+        self.bar.wait()
+        self.box[rank] = obj
+        self.bar.wait()
+        out = [self.box[r] for r in range(self.n)]
+        self.bar.wait()
+        return out
+
+    def manager(self, tmp_path: Path, rank: int, **cfg) -> CheckpointManager:
+        return CheckpointManager(CheckpointConfig(**cfg), tmp_path, rank=rank, world_size=self.n, barrier=self.bar.wait,
+                                 broadcast_object=lambda obj: self.all_gather(rank, obj)[0],
+                                 all_gather_object=lambda obj: self.all_gather(rank, obj))
+
+
+def _run_ranks(n: int, fn) -> dict:
+    out, errors = {}, []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001
+            out[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_collective_save_and_verify_hash_each_file_once(tmp_path, monkeypatch):
+    import rhymerl.checkpoint as ck
+
+    world = _ThreadWorld(3)
+    hashed: list[tuple[str, str]] = []
+    real = ck._sha256
+    monkeypatch.setattr(ck, "_sha256", lambda p, *a: hashed.append((threading.current_thread().name, str(p))) or real(p, *a))
+
+    def save_and_resume(rank: int):
+        mgr = world.manager(tmp_path, rank)
+
+        def backend_save(folder: Path) -> None:
+            (folder / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 1000)
+
+        mgr.save(2, {"trainer": {"step": 2}}, rank_state={"rank": rank}, backend_save=backend_save)
+        world.bar.wait()
+        path = mgr.find_resume()
+        return mgr.load(path, verify=False).rank_state
+
+    out = _run_ranks(3, save_and_resume)
+    assert out == {0: {"rank": 0}, 1: {"rank": 1}, 2: {"rank": 2}}, out
+    files = json.loads((tmp_path / "checkpoints" / "step-000002" / "manifest.json").read_text())["files"]
+    # Once at save, once at resume; never twice in a phase.
+    assert len(hashed) == 2 * len(files)
+    assert sorted({p for _, p in hashed}) == sorted(str(tmp_path / "checkpoints" / n) for n in
+                                                     [".tmp-step-000002/" + f for f in files] + ["step-000002/" + f for f in files])
+    assert len({name for name, _ in hashed}) == 3, "every rank hashes its share"
+
+
+def test_collective_resume_error_reaches_every_rank(tmp_path):
+    world = _ThreadWorld(2)
+    out = _run_ranks(2, lambda rank: world.manager(tmp_path, rank, resume=str(tmp_path / "missing")).find_resume())
+    assert all(isinstance(e, CheckpointError) and "does not exist" in str(e) for e in out.values()), out
+
+
+def test_collective_verify_catches_corruption_on_any_rank(tmp_path):
+    world = _ThreadWorld(2)
+    _run_ranks(2, lambda rank: world.manager(tmp_path, rank).save(
+        1, {"trainer": {}}, rank_state={"r": rank},
+        backend_save=lambda d: (d / f"__{rank}_0.distcp").write_bytes(b"w" * 100)))
+    f = tmp_path / "checkpoints" / "step-000001" / "backend" / "__1_0.distcp"
+    f.write_bytes(b"x" * 100)  # rank 1's own shard: only rank 1 hashes it
+    out = _run_ranks(2, lambda rank: world.manager(tmp_path, rank).find_resume())
+    assert all(isinstance(e, CheckpointError) and "__1_0.distcp does not match its sha256" in str(e)
+               for e in out.values()), out
