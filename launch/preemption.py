@@ -1,12 +1,17 @@
-"""Preemption: turn Slurm's warning signal into a flag the trainer polls at safe points.
+"""Preemption and cancel: turn the job's signals into flags the trainer polls at safe points.
 
-Slurm sends SIGUSR1 ``signal_lead_s`` seconds before the time limit (``#SBATCH
---signal=USR1@N``) and SIGTERM when it preempts or cancels. A signal handler must not
-checkpoint by itself: it can fire in the middle of a collective or an optimizer step,
-and (seen on Slurm 22.05) W&B's helper process is killed together with the job on
-SIGTERM. So the handler only records the request; the trainer checks ``requested`` at
-the end of a step, agrees across ranks (all-reduce of the flag), checkpoints, finishes
-W&B, and rank 0 calls ``requeue_current_job()``. See slurm/README.md.
+- SIGUSR1 is a preemption notice (``#SBATCH --signal=USR1@N`` before the time limit,
+  ``scancel --signal=USR1``, or forwarded by the batch shell): checkpoint at the next step
+  end, then rank 0 calls ``requeue_current_job()`` and the requeued job resumes.
+- SIGTERM is a stop (``scancel JOB``, the time limit itself, a preemption with Slurm's own
+  ``PreemptMode=REQUEUE``, which requeues by itself): checkpoint at the next step end if
+  the job lives that long, and exit without requeueing. After a USR1 it stays a preemption.
+
+A signal handler must not checkpoint by itself: it can fire in the middle of a collective
+or an optimizer step. So the handler only records the request; the trainer checks
+``requested`` at the end of a step and agrees across ranks. Slurm delivers these signals to
+every process of the job; the trainer's helper processes are shielded from them
+(rhymerl.child_signals). See slurm/README.md.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import sys
 import time
 from types import FrameType
 from typing import Iterable, Optional
+
+
+PREEMPT_SIGNALS = frozenset({signal.SIGUSR1})
 
 
 class PreemptionHandler:
@@ -33,22 +41,30 @@ class PreemptionHandler:
         self._requested_by: Optional[int] = None
         self._requested_at: Optional[float] = None
         self._previous: dict[int, object] = {}
+        self._received: set[int] = set()
         for sig in self._signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
-        first = self._requested_by is None
-        if first:
+        first = signum not in self._received
+        self._received.add(signum)
+        if self._requested_by is None:
             self._requested_by = signum
             self._requested_at = time.monotonic()
         if self._verbose and first:
+            then = "requeue" if self.requeue_requested else "stop without requeueing"
             # os.write: print() is not safe inside a signal handler (re-entrant buffered IO).
             os.write(sys.stderr.fileno(), f"[rhymerl] received {signal.Signals(signum).name}: "
-                                          "will checkpoint and requeue at the next safe point\n".encode())
+                                          f"will checkpoint and {then} at the next safe point\n".encode())
 
     @property
     def requested(self) -> bool:
         return self._requested_by is not None
+
+    @property
+    def requeue_requested(self) -> bool:
+        """A preemption notice arrived (not only a stop): the job should be requeued."""
+        return bool(self._received & PREEMPT_SIGNALS)
 
     @property
     def signal_name(self) -> Optional[str]:
@@ -59,6 +75,7 @@ class PreemptionHandler:
         return None if self._requested_at is None else time.monotonic() - self._requested_at
 
     def clear(self) -> None:
+        self._received.clear()
         self._requested_by = None
         self._requested_at = None
 

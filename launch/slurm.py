@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig, load_config, redact_secrets
+from rhymerl.preflight import preflight
 
 DEFAULT_ENTRY = ("-m", "launch.rank_main")
 # Below Linux's default ephemeral range (32768-60999), so an outgoing connection of
@@ -119,9 +120,10 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
     if slurm.account:
         sb.append(f"--account={slurm.account}")
     if slurm.signal_lead_s:
-        # No "B:" prefix: the signal goes to every task of the job steps, where
-        # launch.preemption.PreemptionHandler sets the flag the trainer polls.
-        sb.append(f"--signal=USR1@{slurm.signal_lead_s}")
+        # Without "B:" the signal goes to every process of the job steps, where
+        # launch.preemption.PreemptionHandler sets the flag the trainer polls; with it, to the
+        # batch shell, whose trap below forwards it to the tasks.
+        sb.append(f"--signal={'B:' if slurm.signal_batch else ''}USR1@{slurm.signal_lead_s}")
     sb.append("--requeue" if slurm.requeue else "--no-requeue")
     for extra in slurm.extra_sbatch:
         extra = extra.strip()
@@ -247,9 +249,13 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--no-check", action="store_true", help="skip the checks of the model, data and tasks")
     args = p.parse_args(list(argv))
     try:
         cfg = load_config(args.config, args.overrides)
+        if not args.no_check:
+            # What would fail at start-up fails here, before the job waits in the queue.
+            preflight(cfg, layout(cfg.slurm, cfg.parallel)[1])
         text = render_script(cfg.slurm, cfg.parallel, job_name=cfg.run.name, config_path=Path(args.config),
                              overrides=args.overrides, python=cfg.slurm.python or None, setup_lines=cfg.slurm.setup)
     except ConfigError as e:

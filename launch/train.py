@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -48,14 +49,24 @@ class StepLog:
         if not enabled:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        keep = []
-        if path.is_file() and resume_step > 0:
+        keep, dropped = [], 0
+        if path.is_file() and resume_step == 0 and path.stat().st_size:
+            # A fresh start never erases an earlier run's rows: they move aside, with a message.
+            aside = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, aside)
+            log.warning("%s holds rows of an earlier run; moved them to %s", path, aside.name)
+        elif path.is_file():
             for line in path.read_text().splitlines():
                 try:
                     if json.loads(line)["step"] < resume_step:
                         keep.append(line)
-                except (json.JSONDecodeError, KeyError):
-                    continue
+                        continue
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    pass
+                dropped += 1
+            if dropped:
+                log.warning("%s: dropped %d row(s) of steps >= %d (or unreadable), which ran after the checkpoint "
+                            "and run again now", path, dropped, resume_step)
         from rhymerl.atomic import atomic_write_text
 
         atomic_write_text(path, "".join(k + "\n" for k in keep))
@@ -80,10 +91,14 @@ def _trace_rows(trainer, out) -> list[dict]:
              "logprobs": s.logprobs, "reward": s.reward} for s in out.samples]
 
 
-def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
+def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int:
+    """``preempt``: a launch.preemption.PreemptionHandler installed by the caller as early as
+    possible (a signal before it exists kills the process); one is installed here otherwise."""
+    from launch.preemption import PreemptionHandler, requeue_current_job
+
+    preempt = preempt if preempt is not None else PreemptionHandler()
     import torch
 
-    from launch.preemption import PreemptionHandler, requeue_current_job
     from rhymerl.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
     from rhymerl.collectives import WorldComm
     from rhymerl.trainer import Trainer
@@ -96,13 +111,14 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
     groups = init_process_groups(cfg.parallel, world_size, rank)
     comm = WorldComm(rank=rank, world_size=world_size)
     run_dir = Path(cfg.run.output_dir)
-    ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank, world_size, barrier=comm.barrier)
-    resume = comm.broadcast_object(str(ckpt.find_resume() or "") if rank == 0 else None)
-    loaded = ckpt.load(Path(resume)) if resume else None
+    # Collective: a bad checkpoint.resume raises on every rank; files are verified once, in parallel.
+    ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank, world_size, barrier=comm.barrier,
+                             broadcast_object=comm.broadcast_object, all_gather_object=comm.all_gather_object)
+    resume = ckpt.find_resume()
+    loaded = ckpt.load(resume, verify=False) if resume else None
     if loaded is not None and loaded.config is not None:
         check_compatible(loaded.config, to_dict(cfg))
 
-    preempt = PreemptionHandler()
     trainer = Trainer(cfg, comm, groups)
     run_id = None
     if loaded is not None:
@@ -141,11 +157,18 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
             metrics_file.append(out.step, [_plain_metrics(out.metrics)])
             traces_file.append(out.step, _trace_rows(trainer, out))
             stop = comm.any_true(preempt.requested)
+            requeue = stop and comm.any_true(preempt.requeue_requested)
             last = trainer.step == cfg.run.max_steps if cfg.run.max_steps else trainer.sampler.next_epoch >= cfg.run.epochs
             if stop or ckpt.should_save(trainer.step) or last:
                 save()
-            if stop:
+            if stop and not last:
+                # W&B's files are complete before the job ends or is requeued.
                 tracker.finish()
+                if not requeue:
+                    if rank == 0:
+                        log.warning("stopped after step %d on %s: checkpoint saved, job not requeued",
+                                    trainer.step, preempt.signal_name)
+                    return 128 + signal.SIGTERM
                 if rank == 0:
                     requeued = requeue_current_job()
                     log.warning("preempted after step %d: checkpoint saved%s", trainer.step,
@@ -161,6 +184,10 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1) -> int:
 
 
 def run_from_config(argv: list[str]) -> int:
+    from launch.preemption import PreemptionHandler
+
+    # First: a preemption notice that arrives while the trainer starts must not kill it.
+    preempt = PreemptionHandler()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         cfg = load_config(argv[0], argv[1:])
@@ -177,7 +204,7 @@ def run_from_config(argv: list[str]) -> int:
     rank, world_size, _ = launcher_env()
     t0 = time.time()
     try:
-        rc = run(cfg, rank, world_size)
+        rc = run(cfg, rank, world_size, preempt)
     except Exception as e:
         from rhymerl import user_errors
 

@@ -3,9 +3,9 @@
 Layout of one checkpoint (``<dir>/step-000012/``)::
 
     backend/            written by the training backend's own collective save
-    state/<key>.bin     opaque blobs given as bytes (history store, sampler, ...)
-    state/<key>.pkl     other picklable objects (counters, small dicts)
-    ranks/rank-00003.pkl   per-rank state (RNG of python/numpy/torch, ...)
+    state/<key>.bin     opaque blobs given as bytes (history store, ...)
+    state/<key>.json    other state (counters, sampler, predictor; rhymerl.state_json)
+    ranks/rank-00003.json  per-rank state (RNG of python/numpy/torch, ...)
     config.yaml         the resolved run config
     manifest.json       sha256 and size of every file above; written LAST
 
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import pickle
 import re
 import shutil
 import time
@@ -41,10 +41,15 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
+from rhymerl import state_json
 from rhymerl.atomic import atomic_write_text, fsync_dir, fsync_tree
 from rhymerl.config import CheckpointConfig
 
-FORMAT_VERSION = 1
+log = logging.getLogger("rhymerl.checkpoint")
+
+# 2: state as JSON (rhymerl.state_json). 1 pickled it; pickles can run code when loaded,
+# so those checkpoints are refused rather than read.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
@@ -83,10 +88,41 @@ def _write_fsynced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def verify_checkpoint(path: Path, *, hashes: bool = True) -> Optional[str]:
+_OWNED_RE = re.compile(r"(?:^|/)(?:rank-(\d+)\.[a-z]+|__(\d+)_\d+\.distcp)$")
+
+
+def assign_files(files: Mapping[str, int], world_size: int) -> list[list[str]]:
+    """Which rank hashes which file (relative path -> size): each rank the files it wrote
+    (``ranks/rank-K.*``, megatron-core's ``__K_*.distcp``), the rest by size to the least
+    loaded rank, so that every byte is read once and the ranks finish together."""
+    out: list[list[str]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    rest = []
+    for rel, size in files.items():
+        m = _OWNED_RE.search(rel)
+        owner = int(m.group(1) or m.group(2)) if m else -1
+        if 0 <= owner < world_size:
+            out[owner].append(rel)
+            load[owner] += size
+        else:
+            rest.append((size, rel))
+    for size, rel in sorted(rest, key=lambda x: (-x[0], x[1])):
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        out[r].append(rel)
+        load[r] += size
+    return out
+
+
+def _rate(nbytes: int, secs: float) -> str:
+    return f"{nbytes / 1e6:.1f} MB in {secs:.2f} s ({nbytes / 1e6 / secs:.0f} MB/s)" if secs > 0 else \
+        f"{nbytes / 1e6:.1f} MB"
+
+
+def verify_checkpoint(path: Path, *, hashes: bool = True, only: Optional[set] = None) -> Optional[str]:
     """None if ``path`` is a complete checkpoint, else the reason it is not.
 
-    ``hashes=False`` checks presence and sizes only (fast, for listing).
+    ``hashes=False`` checks presence and sizes only (fast, for listing); ``only``: hash just
+    these files (this rank's share), still checking every file's presence and size.
     """
     path = Path(path)
     if not path.is_dir():
@@ -100,6 +136,9 @@ def verify_checkpoint(path: Path, *, hashes: bool = True) -> Optional[str]:
         int(manifest["step"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{mpath} is unreadable: {e}"
+    if manifest.get("format") == 1:
+        return (f"{mpath}: written by an older RhymeRL that pickled its state; pickles can run code when "
+                "loaded, so it is not read. Resume from a newer checkpoint or start over")
     if manifest.get("format") != FORMAT_VERSION:
         return f"{mpath}: unknown format {manifest.get('format')!r} (this RhymeRL writes {FORMAT_VERSION})"
     for rel, meta in files.items():
@@ -109,7 +148,9 @@ def verify_checkpoint(path: Path, *, hashes: bool = True) -> Optional[str]:
         size = f.stat().st_size
         if size != meta["size"]:
             return f"{f} has {size} bytes, the manifest says {meta['size']} (truncated or overwritten)"
-        if hashes and _sha256(f) != meta["sha256"]:
+    for rel, meta in files.items():
+        if hashes and (only is None or rel in only) and _sha256(path / rel) != meta["sha256"]:
+            f = path / rel
             return f"{f} does not match its sha256 in the manifest (corrupt)"
     return None
 
@@ -241,10 +282,13 @@ class CheckpointManager:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, rank: int = 0, world_size: int = 1,
                  barrier: Callable[[], None] = _noop, *,
-                 broadcast_object: Optional[Callable[[Any], Any]] = None):
+                 broadcast_object: Optional[Callable[[Any], Any]] = None,
+                 all_gather_object: Optional[Callable[[Any], list]] = None):
         """``broadcast_object(obj) -> rank 0's obj`` (e.g. via ``dist.broadcast_object_list``): when
-        given, only rank 0 reads and hashes checkpoints in ``find_resume`` and every rank gets its
-        answer; without it every rank verifies on its own (same answer, N times the reads)."""
+        given, rank 0 decides which checkpoint ``find_resume`` tries and every rank gets its answer
+        or its error. ``all_gather_object(obj) -> [every rank's obj]``: when given, saves and
+        verifications hash in parallel, each rank its share of the files; without it rank 0
+        hashes what it saves, and every rank verifies what it loads on its own."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.root = Path(cfg.dir) if cfg.dir else self.run_dir / "checkpoints"
@@ -252,6 +296,7 @@ class CheckpointManager:
         self.world_size = world_size
         self.barrier = barrier
         self.broadcast_object = broadcast_object
+        self.all_gather_object = all_gather_object
 
     # ---------------------------------------------------------------- queries
 
@@ -280,65 +325,123 @@ class CheckpointManager:
         if self.rank == 0:
             warnings.warn(msg, stacklevel=3)
 
-    def newest_valid(self, root: Optional[Path] = None) -> Optional[Path]:
-        """Newest complete checkpoint under ``root``; warns about each newer broken one."""
-        mgr = self if root is None else CheckpointManager(CheckpointConfig(dir=str(root)), self.run_dir,
-                                                          self.rank, self.world_size, self.barrier)
-        pointer = mgr.latest_pointer()
-        if pointer is not None and not (mgr.root / pointer).is_dir():
-            self._warn(f"checkpoint pointer {mgr.root / LATEST} names {pointer}, which does not exist; "
+    def _pointer_warnings(self, root: Path, folders: list[tuple[int, Path]]) -> None:
+        pointer = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else None
+        if pointer and not (root / pointer).is_dir():
+            self._warn(f"checkpoint pointer {root / LATEST} names {pointer}, which does not exist; "
                        "looking for the newest valid checkpoint instead")
-        for step, path in reversed(mgr.step_folders()):
-            reason = verify_checkpoint(path)
-            if reason is None:
-                if pointer is not None and _STEP_RE.match(pointer) and _step_of(Path(pointer)) < step:
-                    self._warn(f"{mgr.root / LATEST} names {pointer} but {path.name} is newer and complete; using it")
-                return path
-            self._warn(f"skipping incomplete checkpoint {path}: {reason}")
-        return None
+        elif pointer and _STEP_RE.match(pointer) and folders and _step_of(Path(pointer)) < folders[-1][0]:
+            self._warn(f"{root / LATEST} names {pointer} but {folders[-1][1].name} is newer; using it if it is complete")
 
-    def find_resume(self) -> Optional[Path]:
-        """The checkpoint to resume from, per ``cfg.resume``; None = start fresh.
+    def _folders_under(self, root: Path) -> list[tuple[int, Path]]:
+        if root == self.root:
+            return self.step_folders()
+        return CheckpointManager(CheckpointConfig(dir=str(root)), self.run_dir).step_folders()
 
-        ``auto``: newest valid one in the checkpoint folder (none yet = fresh start).
-        ``never``: None. Anything else is a path: a step folder (must be valid) or a
-        checkpoint folder (must contain a valid one); otherwise CheckpointError.
-        Collective when ``broadcast_object`` was given.
-        """
-        if self.broadcast_object is None or self.world_size == 1:
-            return self._find_resume_local()
-        answer: tuple[str, Optional[str]] = ("ok", None)
-        if self.rank == 0:
-            try:
-                found = self._find_resume_local()
-                answer = ("ok", None if found is None else str(found))
-            except CheckpointError as e:
-                answer = ("error", str(e))
-        kind, value = self.broadcast_object(answer)
-        if kind == "error":
-            raise CheckpointError(value)
-        return None if value is None else Path(value)
-
-    def _find_resume_local(self) -> Optional[Path]:
+    def _candidates(self) -> tuple[list[str], str, bool, bool]:
+        """(checkpoints to try, newest first; what to say if none verifies; whether the one
+        candidate was named exactly; whether no candidate means a fresh start). Raises CheckpointError."""
         mode = self.cfg.resume.strip()
-        if mode == "never" or mode == "":
-            return None
+        if mode in ("never", ""):
+            used = self.step_folders()
+            if used and not self.cfg.overwrite:
+                raise CheckpointError(
+                    f"checkpoint.resume=never, but {self.root} holds the checkpoints of another run "
+                    f"({', '.join(p.name for _, p in used[-3:])}): a new run would mix with them. Resume it "
+                    "(checkpoint.resume=auto), give this run its own run.output_dir or checkpoint.dir, or "
+                    "delete them with checkpoint.overwrite=true")
+            if used and self.rank == 0:
+                self._warn(f"checkpoint.overwrite=true: deleting the {len(used)} checkpoints of the previous run "
+                           f"in {self.root} ({', '.join(p.name for _, p in used)})")
+                for _, p in used:
+                    shutil.rmtree(p)
+                (self.root / LATEST).unlink(missing_ok=True)
+                fsync_dir(self.root)
+            return [], "", False, True
         if mode == "auto":
-            return self.newest_valid()
+            folders = self.step_folders()
+            self._pointer_warnings(self.root, folders)
+            return ([str(p) for _, p in reversed(folders)],
+                    f"checkpoint.resume=auto: none of the {len(folders)} checkpoint folders in {self.root} is "
+                    "complete (see the warnings above). Repair or remove them, point checkpoint.resume at a good "
+                    "one, or start over with checkpoint.resume=never checkpoint.overwrite=true", False, True)
         path = Path(mode).expanduser()
         if not path.is_absolute() and not path.exists():
             path = self.run_dir / path
         if not path.exists():
             raise CheckpointError(f"checkpoint.resume={mode!r}: {path} does not exist")
         if (path / MANIFEST).exists() or _STEP_RE.match(path.name):
-            reason = verify_checkpoint(path)
-            if reason is not None:
-                raise CheckpointError(f"checkpoint.resume={mode!r} is not a valid checkpoint: {reason}")
-            return path
-        found = self.newest_valid(path)
-        if found is None:
-            raise CheckpointError(f"checkpoint.resume={mode!r}: no valid checkpoint under {path}")
-        return found
+            return [str(path)], f"checkpoint.resume={mode!r} is not a valid checkpoint", True, False
+        folders = self._folders_under(path)
+        self._pointer_warnings(path, folders)
+        return ([str(p) for _, p in reversed(folders)], f"checkpoint.resume={mode!r}: no valid checkpoint under {path}",
+                False, False)
+
+    @property
+    def _collective(self) -> bool:
+        return self.world_size > 1 and self.all_gather_object is not None
+
+    def verify(self, path: Path) -> Optional[str]:
+        """None if ``path`` is complete; else the reason. Collective when ``all_gather_object`` was
+        given: every rank checks sizes and hashes its share of the files (``assign_files``), so the
+        checkpoint is read once, in parallel; every rank gets the same answer."""
+        path = Path(path)
+        t0 = time.perf_counter()
+        reason, mine, nbytes = None, None, 0
+        try:
+            files = {rel: int(m["size"]) for rel, m in read_manifest(path)["files"].items()}
+            if self._collective:
+                mine = set(assign_files(files, self.world_size)[self.rank])
+            nbytes = sum(files[r] for r in (mine if mine is not None else files))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # verify_checkpoint says why
+        reason = verify_checkpoint(path, only=mine)
+        if self._collective:
+            answers = self.all_gather_object((reason, nbytes))
+            reason = next((r for r, _ in answers if r is not None), None)
+            nbytes = sum(n for _, n in answers)
+        if reason is None and self.rank == 0:
+            log.info("verified checkpoint %s: %s on %d rank(s)", path.name, _rate(nbytes, time.perf_counter() - t0),
+                     self.world_size if self._collective else 1)
+        return reason
+
+    def find_resume(self) -> Optional[Path]:
+        """The verified checkpoint to resume from, per ``cfg.resume``; None = start fresh.
+
+        ``auto``: newest complete one in the checkpoint folder; none there = fresh start, but a
+        folder whose checkpoints are all broken is an error. ``never``: fresh start, refused if
+        the folder holds checkpoints (unless ``cfg.overwrite``, which deletes them). Anything
+        else is a path: a step folder (must be valid) or a checkpoint folder (must contain a valid
+        one). Collective when ``broadcast_object`` was given: rank 0 decides what to try, every
+        rank gets its answer or its error.
+        """
+        if self.broadcast_object is not None and self.world_size > 1:
+            answer: tuple[str, Any] = ("ok", None)
+            if self.rank == 0:
+                try:
+                    answer = ("ok", self._candidates())
+                except CheckpointError as e:
+                    answer = ("error", str(e))
+            kind, value = self.broadcast_object(answer)
+            if kind == "error":
+                raise CheckpointError(value)
+            candidates, none_valid, exact, fresh_ok = value
+        else:
+            candidates, none_valid, exact, fresh_ok = self._candidates()
+        first_reason = None
+        for cand in candidates:
+            reason = self.verify(Path(cand))
+            if reason is None:
+                return Path(cand)
+            if exact:
+                raise CheckpointError(f"{none_valid}: {reason}")
+            first_reason = first_reason or reason
+            self._warn(f"skipping incomplete checkpoint {cand}: {reason}")
+        if candidates:
+            raise CheckpointError(f"{none_valid} (newest: {first_reason})")
+        if not fresh_ok:
+            raise CheckpointError(none_valid)
+        return None
 
     # ---------------------------------------------------------------- save
 
@@ -346,7 +449,7 @@ class CheckpointManager:
              backend_save: Optional[Callable[[Path], None]] = None, *, config: Optional[Mapping] = None) -> Path:
         """Write checkpoint ``step`` collectively; every rank calls this. Returns the final folder.
 
-        ``state`` (rank 0's copy is written): bytes are stored as-is, anything else pickled.
+        ``state`` (rank 0's copy is written): bytes are stored as-is, anything else as JSON.
         ``rank_state``: this rank's private state (e.g. ``capture_rng_state()``).
         ``backend_save(folder)``: the backend's collective save into ``<ckpt>/backend``.
         ``config``: the resolved config dict (stored as YAML; used by ``check_compatible``).
@@ -382,55 +485,93 @@ class CheckpointManager:
             self.barrier()
             return final
         error: Optional[BaseException] = None
+        t0 = time.perf_counter()
         try:
             if backend_save is not None:
                 (tmp / "backend").mkdir(exist_ok=True)
                 backend_save(tmp / "backend")
             if rank_state is not None:
-                _write_fsynced(tmp / "ranks" / f"rank-{self.rank:05d}.pkl",
-                               pickle.dumps(dict(rank_state), protocol=pickle.HIGHEST_PROTOCOL))
+                _write_fsynced(tmp / "ranks" / f"rank-{self.rank:05d}.json",
+                               state_json.dumps(dict(rank_state), f"rank_state of rank {self.rank}"))
+            if self.rank == 0:
+                kinds = self._write_state(tmp, state, config)
         except BaseException as e:  # noqa: BLE001 - reraised after the other ranks are released
             error = e
         self.barrier()
+        t_write = time.perf_counter() - t0
+        files, hash_error = self._hash_collectively(tmp, error)
+        if error is None and hash_error is not None:
+            error = hash_error
         if error is not None:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"saving checkpoint {final} failed on rank {self.rank}: {error!r}") from error
         if self.rank == 0:
             try:
-                self._finish_on_rank0(step, state, config, tmp, final, rank_state is not None)
+                self._finish_on_rank0(step, kinds, config is not None, tmp, final, rank_state is not None, files)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 self.barrier()
                 raise
+            nbytes = sum(m["size"] for m in files.values())
+            log.info("saved checkpoint %s: wrote %s, hashed in %.2f s on %d rank(s)", final.name,
+                     _rate(nbytes, t_write), time.perf_counter() - t0 - t_write,
+                     self.world_size if self._collective else 1)
         self.barrier()
         if not final.is_dir() or not (final / MANIFEST).is_file():
             raise CheckpointError(f"checkpoint {final} was not completed by rank 0 (see rank 0's log)")
         return final
 
-    def _finish_on_rank0(self, step: int, state: Mapping[str, Any], config: Optional[Mapping], tmp: Path,
-                         final: Path, with_ranks: bool) -> None:
+    def _write_state(self, tmp: Path, state: Mapping[str, Any], config: Optional[Mapping]) -> dict[str, str]:
         kinds = {}
         for key, value in state.items():
             if isinstance(value, (bytes, bytearray, memoryview)):
                 _write_fsynced(tmp / "state" / f"{key}.bin", bytes(value))
                 kinds[key] = "bytes"
             else:
-                _write_fsynced(tmp / "state" / f"{key}.pkl", pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-                kinds[key] = "pickle"
+                _write_fsynced(tmp / "state" / f"{key}.json", state_json.dumps(value, f"state[{key!r}]"))
+                kinds[key] = "json"
         if config is not None:
             _write_fsynced(tmp / "config.yaml", yaml.safe_dump(_plain(config), sort_keys=False).encode())
+        return kinds
+
+    def _hash_collectively(self, tmp: Path, write_error: Optional[BaseException]
+                           ) -> tuple[dict[str, dict], Optional[BaseException]]:
+        """Size and sha256 of every file under ``tmp`` (on rank 0; {} elsewhere), each rank
+        hashing its share when collective; any rank's error comes back on every rank."""
+        if not self._collective:
+            if self.rank != 0 or write_error is not None:
+                return {}, None
+            try:
+                return {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+                        for f in _files_under(tmp)}, None
+            except OSError as e:
+                return {}, e
+        mine: dict[str, dict] = {}
+        err: Optional[str] = None if write_error is None else f"rank {self.rank}: {write_error!r}"
+        if err is None:
+            try:
+                sizes = {f.relative_to(tmp).as_posix(): f.stat().st_size for f in _files_under(tmp)}
+                for rel in assign_files(sizes, self.world_size)[self.rank]:
+                    mine[rel] = {"size": sizes[rel], "sha256": _sha256(tmp / rel)}
+            except OSError as e:
+                err = f"rank {self.rank}: {e!r}"
+        parts = self.all_gather_object((mine, err))
+        errors = [e for _, e in parts if e is not None]
+        if errors:
+            return {}, CheckpointError("; ".join(errors))
+        return {rel: meta for part, _ in parts for rel, meta in part.items()}, None
+
+    def _finish_on_rank0(self, step: int, kinds: dict[str, str], has_config: bool, tmp: Path,
+                         final: Path, with_ranks: bool, files: dict[str, dict]) -> None:
         if with_ranks:
-            have = sorted(p.name for p in (tmp / "ranks").glob("rank-*.pkl"))
+            have = sorted(p.name for p in (tmp / "ranks").glob("rank-*.json"))
             if len(have) != self.world_size:
                 raise CheckpointError(f"checkpoint {final}: expected {self.world_size} rank files, found {len(have)} "
                                       "(is the checkpoint folder on a filesystem every rank shares?)")
-        files = {}
-        for f in _files_under(tmp):
-            files[f.relative_to(tmp).as_posix()] = {"size": f.stat().st_size, "sha256": _sha256(f)}
         manifest = {
             "format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "created": time.time(),
-            "state": kinds, "has_config": config is not None, "has_backend": (tmp / "backend").is_dir(),
+            "state": kinds, "has_config": has_config, "has_backend": (tmp / "backend").is_dir(),
             "has_rank_state": with_ranks, "files": files,
         }
         _write_fsynced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
@@ -467,7 +608,7 @@ class CheckpointManager:
     def load(self, path: Path, *, verify: bool = True) -> LoadedCheckpoint:
         path = Path(path)
         if verify:
-            reason = verify_checkpoint(path)
+            reason = self.verify(path)
             if reason is not None:
                 raise CheckpointError(f"cannot load {path}: {reason}")
         manifest = read_manifest(path)
@@ -476,13 +617,11 @@ class CheckpointManager:
             if kind == "bytes":
                 state[key] = (path / "state" / f"{key}.bin").read_bytes()
             else:
-                with open(path / "state" / f"{key}.pkl", "rb") as f:
-                    state[key] = pickle.load(f)
+                state[key] = state_json.loads((path / "state" / f"{key}.json").read_bytes())
         rank_state = None
-        rfile = path / "ranks" / f"rank-{self.rank:05d}.pkl"
+        rfile = path / "ranks" / f"rank-{self.rank:05d}.json"
         if rfile.is_file():
-            with open(rfile, "rb") as f:
-                rank_state = pickle.load(f)
+            rank_state = state_json.loads(rfile.read_bytes())
         config = None
         if (path / "config.yaml").is_file():
             config = yaml.safe_load((path / "config.yaml").read_text())

@@ -47,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run RL training from a YAML config", description="Run RL training.")
     t.add_argument("config", help="YAML run config, e.g. configs/tiny-cpu.yaml")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algo.lr=1e-6 rollout.n=8")
-    t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--print-config", action="store_true",
+                   help="check what the config names (model, data, tasks, lengths), print the resolved config and exit")
+    t.add_argument("--no-check", action="store_true",
+                   help="with --print-config: skip the checks of files and tasks (a cluster config on another machine)")
 
     b = sub.add_parser("bench", help="benchmarks that print ratios against a same-run baseline",
                        description="Run a benchmark; --json prints one JSON object on stdout.")
@@ -70,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     sl.add_argument("config")
     sl.add_argument("overrides", nargs="*")
     sl.add_argument("--dry-run", action="store_true", help="show what would be submitted, submit nothing")
+    sl.add_argument("--no-check", action="store_true",
+                    help="skip the checks of the model, data and tasks the config names (render on another machine)")
     return p
 
 
@@ -86,6 +91,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rhymerl: config error: {e}", file=sys.stderr)
             return 2
         if args.print_config:
+            if not args.no_check:
+                from rhymerl.preflight import preflight
+
+                try:
+                    preflight(cfg, cfg.parallel.world_size or None)
+                except ConfigError as e:
+                    print(f"rhymerl: config error: {e}", file=sys.stderr)
+                    return 2
             sys.stdout.write(to_yaml(cfg))
             return 0
         return _dispatch(("launch.train", "run_from_config", ""), [args.config, *args.overrides], "train")
@@ -98,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "report":
         return _dispatch(("rhymerl.report", "main", ""), [args.run_dir] + (["--out", args.out] if args.out else []), "report")
     if args.cmd == "slurm":
-        rest = [args.action, args.config, *args.overrides] + (["--dry-run"] if args.dry_run else [])
+        rest = [args.action, args.config, *args.overrides] + (["--dry-run"] if args.dry_run else []) \
+            + (["--no-check"] if args.no_check else [])
         return _dispatch(("launch.slurm", "main", ""), rest, "slurm")
     return 2

@@ -235,6 +235,8 @@ class CheckpointConfig:
     keep_last: int = 2
     # "auto" resumes from the newest valid checkpoint in `dir`; "never"; or a path.
     resume: str = "auto"
+    # With resume=never: delete the checkpoints another run left in `dir` (refused otherwise).
+    overwrite: bool = False
 
 
 @dataclass
@@ -257,6 +259,9 @@ class SlurmConfig:
     mem_per_cpu_mb: int = 0
     time: str = "01:00:00"
     signal_lead_s: int = 120
+    # The warning signal goes to the tasks (--signal=USR1@lead) or, when true, to the batch
+    # shell (--signal=B:USR1@lead), which forwards it to the tasks through srun.
+    signal_batch: bool = False
     requeue: bool = True
     log_dir: str = "slurm-logs"
     extra_sbatch: list[str] = field(default_factory=list)

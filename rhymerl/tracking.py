@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from rhymerl.child_signals import shielded_start
 from rhymerl.config import TrackingConfig
 
 # The .wandb transaction log is flushed every 15 s by default: a job killed by Slurm
@@ -162,11 +163,13 @@ class Tracker:
                 console="off",
                 silent=True,
             )
-            self._run = wandb.init(
-                project=self.cfg.project, entity=self.cfg.entity or None, name=run_name, id=self._run_id,
-                resume="allow" if resuming else None, mode=self.cfg.wandb, dir=str(wandb_dir),
-                config=dict(config_dict), settings=settings, reinit="create_new",
-            )
+            # wandb-core must outlive the job's USR1/TERM long enough for finish() to flush.
+            with shielded_start():
+                self._run = wandb.init(
+                    project=self.cfg.project, entity=self.cfg.entity or None, name=run_name, id=self._run_id,
+                    resume="allow" if resuming else None, mode=self.cfg.wandb, dir=str(wandb_dir),
+                    config=dict(config_dict), settings=settings, reinit="create_new",
+                )
         except Exception as e:  # noqa: BLE001 - any W&B failure must leave training running
             self._run = None
             self._warn_once("init", e)
@@ -310,6 +313,10 @@ class Tracker:
             return
         try:
             run.finish(exit_code=exit_code)
+            # Close the connection to wandb-core now: a job's SIGTERM (scancel, the one that
+            # follows a requeue) ends wandb-core, which ignores masks for TERM, and an exit-time
+            # teardown would then print a traceback after a complete run.
+            self._wandb.teardown()
         except Exception as e:  # noqa: BLE001
             self._warn_once("finish", e)
 

@@ -45,3 +45,50 @@ def tiny_model_dir() -> Path:
     from rhymerl.models import resolve_model
 
     return resolve_model(ModelConfig(path="builtin:tiny"))
+
+
+# Every process the suite starts (subprocesses, Slurm jobs through sbatch's exported
+# environment) carries this marker; any still alive at the end was left running.
+SESSION_MARKER = "RHYMERL_TEST_SESSION"
+os.environ.setdefault(SESSION_MARKER, f"{os.getpid()}-{os.urandom(4).hex()}")
+
+
+def _marked_processes() -> list[tuple[int, str]]:
+    """Marked processes that are not descendants of this one (those end with it)."""
+    want = f"{SESSION_MARKER}={os.environ[SESSION_MARKER]}".encode()
+    parent, found = {}, []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if want in (d / "environ").read_bytes().split(b"\0"):
+                found.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]))
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def ours(pid: int) -> bool:
+        while pid > 1:
+            if pid == os.getpid():
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return [(pid, cmd) for pid, cmd in found if not ours(pid)]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite leaves nothing running: fail if a process it started outlives it."""
+    if not Path("/proc/self/environ").exists() or os.environ[SESSION_MARKER].split("-")[0] != str(os.getpid()):
+        return
+    import time
+
+    deadline = time.monotonic() + 15  # helpers exit within seconds of their parent
+    left = _marked_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _marked_processes()
+    if left:
+        print("\nprocesses started by the tests are still running:\n"
+              + "\n".join(f"  pid {pid}: {cmd}" for pid, cmd in left))
+        session.exitstatus = 1

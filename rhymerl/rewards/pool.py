@@ -14,12 +14,12 @@ import importlib
 import math
 import multiprocessing as mp
 import os
-import signal
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional, Sequence
 
+from rhymerl.child_signals import shield_this_process, shielded_start
 from rhymerl.config import RewardConfig
 from rhymerl.rewards.scorers import BUILTIN_SCORERS, RewardItem, RewardResult, Scorer, resolve_kind
 
@@ -117,8 +117,8 @@ def score_one(item: RewardItem, kind: str, scorers: dict[str, Scorer]) -> Reward
 
 
 def _worker_main(conn: Connection, scorers: dict[str, Scorer], preload: Sequence[str]) -> None:
-    # Ctrl-C goes to the whole process group; the parent decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Job-wide signals (Ctrl-C, Slurm's USR1/TERM) are the trainer's; workers end with it.
+    shield_this_process()
 
     failed = preload_modules(preload)
     if failed is not None:
@@ -224,7 +224,8 @@ class RewardPool:
         parent, child = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(target=_worker_main, args=(child, self.scorers, self.preload),
                                  name="rhymerl-reward", daemon=True)
-        proc.start()
+        with shielded_start():
+            proc.start()
         child.close()
         return _Worker(proc, parent)
 

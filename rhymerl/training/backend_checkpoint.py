@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import torch.distributed as dist
+
+from rhymerl.child_signals import shielded_start, start_shielded_manager
 
 BACKEND_META = "rhymerl_backend.json"
 # Weight files of a model folder; every other file (config, tokenizer, chat template...) travels
@@ -37,7 +39,9 @@ def save_backend_checkpoint(folder: Path, model_path: Path, meta: dict, write_st
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    write_state(tmp)
+    # The backend's writer forks worker processes: they must not take the job's signals.
+    with shielded_start():
+        write_state(tmp)
     dist.barrier()
     if rank0:
         hf = tmp / "hf_config"
@@ -50,6 +54,27 @@ def save_backend_checkpoint(folder: Path, model_path: Path, meta: dict, write_st
             shutil.rmtree(folder)
         tmp.rename(folder)
     dist.barrier()
+
+
+_writer_manager: Optional[Any] = None
+
+
+def shield_megatron_writer() -> None:
+    """Give megatron-core's checkpoint writer a results queue served by a shielded process.
+
+    ``filesystem_async`` starts a multiprocessing Manager on its first save and reuses it: a
+    job-wide USR1/TERM would kill it and every later save fails with BrokenPipeError, and a
+    trainer killed by SIGKILL would leave it running. Ours ignores those signals and dies
+    with the trainer. Idempotent; call before a save.
+    """
+    global _writer_manager
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _writer_manager is None:
+        _writer_manager = start_shielded_manager()
+        filesystem_async._results_queue = _writer_manager.Queue()
+    elif filesystem_async._results_queue is None:
+        filesystem_async._results_queue = _writer_manager.Queue()
 
 
 def read_backend_meta(folder: Path, kind: str) -> dict:

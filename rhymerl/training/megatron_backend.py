@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rhymerl.config import AlgorithmConfig, ParallelConfig
 from rhymerl.resharding.exporter import HFExportStats, export_hf_buckets
 from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_hf
-from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
+from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint, shield_megatron_writer
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.microbatch import plan_micro_batches, policy_micro_batches, rank_slice, split_micro
 from rhymerl.training.process_groups import ProcessGroups
@@ -368,6 +368,7 @@ class MegatronBackend:
         meta = {"kind": "megatron", "steps": self.steps, "dtype": self.dtype_name,
                 "tensor_parallel": self.groups.tp_size, "pipeline_parallel": self.groups.pp_size,
                 "data_parallel": self.groups.dp_size, "has_optimizer": self.optimizer is not None}
+        shield_megatron_writer()
         save_backend_checkpoint(folder, self.model_path, meta,
                                 lambda tmp: dist_checkpointing.save(self._sharded_state(False, True), str(tmp)))
 

@@ -91,3 +91,29 @@ def test_sigkill_after_checkpoint_then_resume_is_exact(tmp_path, temperature):
     # The resumed run continued the same W&B run id.
     ids = {p.name.rsplit("-", 1)[-1] for p in (cut / "wandb").glob("offline-run-*")}
     assert len(ids) == 1, ids
+
+
+def test_bad_resume_path_ends_every_rank_with_the_message(tmp_path):
+    """Two ranks as srun starts them (no torchrun agent to kill the survivors): both exit, quickly,
+    naming the path, instead of rank 1 waiting for rank 0's broadcast until the collective timeout."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bad = tmp_path / "no-such-checkpoint"
+    cmd = [sys.executable, "-m", "launch.rank_main", str(REPO / "configs/tiny-cpu.yaml"), "model.path=builtin:tiny",
+           "parallel.tensor_parallel=2", f"run.output_dir={tmp_path / 'run'}", f"checkpoint.resume={bad}",
+           "tracking.wandb=disabled"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**_env(), "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode != 0, out[-3000:]
+        assert f"checkpoint.resume='{bad}'" in out and "does not exist" in out, f"rank {rank}:\n{out[-3000:]}"

@@ -1,12 +1,18 @@
-"""The rendered sbatch script of a run config, submitted to the local Slurm (.ci/slurm-up.sh),
-running the real trainer on 2 tasks (TP=2): completion, then USR1 preemption -> checkpoint
--> requeue -> resume to completion."""
+"""The real trainer under the local Slurm (.ci/slurm-up.sh), with periodic checkpoints on, for
+every way a stop reaches it: preemption by `scancel --signal=USR1` (to the tasks, 2 tasks TP=2),
+by `scancel --batch --signal=USR1` (to the batch shell, which forwards it), by a real time limit
+with `--signal=B:USR1@lead` and with `--signal=USR1@lead`; and a plain `scancel`, which cancels.
+
+The jobs run side by side (one shared fixture); each test checks one of them.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -14,61 +20,149 @@ import pytest
 from launch.slurm import render_script
 from rhymerl.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
-from slurm_helpers import REPO, TERMINAL, job_info, slurm_cluster, start_job, wait_job, wait_until  # noqa: F401
+from slurm_helpers import REPO, TERMINAL, SlurmJob, job_info, slurm_cluster, start_job  # noqa: F401
+from wandb_helpers import history_by_step, offline_runs, run_record
 
 pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slurm, pytest.mark.slow]
 
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 
 
-def _render(tmp_path: Path, name: str, overrides: list[str]) -> tuple[str, Path, Path]:
-    run_dir = tmp_path / "run"
-    log_root = tmp_path / "slurm-logs"
-    ov = ["model.path=builtin:tiny", "parallel.tensor_parallel=2", "slurm.tasks_per_node=2", f"run.name={name}",
-          f"run.output_dir={run_dir}", f"slurm.log_dir={log_root}", "data.size=8", "data.prompts_per_step=4",
-          "rollout.max_tokens=16", "reward.workers=1", "tracking.wandb=offline", *overrides]
+@dataclass
+class Case:
+    tasks: int
+    steps: int
+    # Shell command sent (with the job id appended) once the first periodic checkpoint exists.
+    trigger: tuple[str, ...] = ()
+    slurm: dict = field(default_factory=dict)
+
+
+CASES = {
+    "usr1-tasks": Case(tasks=2, steps=4, trigger=("scancel", "--signal=USR1")),
+    "usr1-batch": Case(tasks=1, steps=3, trigger=("scancel", "--batch", "--signal=USR1")),
+    # A real time limit: Slurm's warning arrives when <= lead seconds are left (checked about
+    # every 30 s), while the first segment starts or runs its first steps; every segment runs
+    # at least one step, so the job needs at most `steps` segments.
+    "limit-batch": Case(tasks=1, steps=2, slurm={"time": "00:02:00", "signal_lead_s": 100, "signal_batch": True}),
+    "limit-tasks": Case(tasks=1, steps=2, slurm={"time": "00:02:00", "signal_lead_s": 100}),
+    "cancel": Case(tasks=1, steps=8, trigger=("scancel",)),
+}
+
+
+@dataclass
+class Ran:
+    job: SlurmJob
+    run_dir: Path
+    case: Case
+    triggered_at_step: int = -1
+
+
+def _submit(tmp: Path, name: str, case: Case) -> Ran:
+    run_dir, log_root = tmp / name / "run", tmp / name / "slurm-logs"
+    slurm = {"time": "00:10:00", "signal_lead_s": 60, **case.slurm}
+    ov = ["model.path=builtin:tiny", f"parallel.tensor_parallel={case.tasks}", f"slurm.tasks_per_node={case.tasks}",
+          f"run.name={name}", f"run.output_dir={run_dir}", f"slurm.log_dir={log_root}", f"run.max_steps={case.steps}",
+          "run.epochs=100", "data.size=8", "data.prompts_per_step=4", "rollout.max_tokens=16", "reward.workers=1",
+          "tracking.wandb=offline", "checkpoint.every_steps=1", "checkpoint.keep_last=2",
+          *(f"slurm.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in slurm.items())]
     cfg = load_config(CONFIG, ov)
     text = render_script(cfg.slurm, cfg.parallel, job_name=name, config_path=CONFIG, overrides=ov, workdir=REPO)
-    return text, log_root, run_dir
+    lead = f"--signal={'B:' if slurm.get('signal_batch') else ''}USR1@{slurm['signal_lead_s']}"
+    assert f"#SBATCH {lead}" in text and "#SBATCH --requeue" in text
+    return Ran(start_job(text, log_root, name, env={"PYTHONUNBUFFERED": "1"}), run_dir, case)
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _first_checkpoint(run_dir: Path) -> int:
+    """Step of the newest complete checkpoint, -1 if none."""
+    steps = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step-*")
+             if verify_checkpoint(p, hashes=False) is None]
+    return max(steps, default=-1)
 
 
-def test_tiny_config_two_tasks_completes_with_checkpoint(slurm_cluster, tmp_path):
-    text, log_root, run_dir = _render(tmp_path, "tiny-2task", ["run.epochs=2", "checkpoint.every_steps=2",
-                                                               "slurm.time=00:10:00"])
-    job = wait_job(start_job(text, log_root, "tiny-2task"), timeout_s=240)
-    assert job.state == "COMPLETED", job.log_text
-    assert "srun finished with exit code 0" in job.batch_text
-    rows = _metrics(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert verify_checkpoint(run_dir / "checkpoints" / "step-000004") is None
-    assert "finished in" in job.rank_logs[0], job.log_text
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Ran]:
+    tmp = tmp_path_factory.mktemp("slurm-trainer")
+    ran = {name: _submit(tmp, name, case) for name, case in CASES.items()}
+    deadline = time.monotonic() + 600
+    pending = dict(ran)
+    try:
+        while pending and time.monotonic() < deadline:
+            for name, r in list(pending.items()):
+                r.job.info = job_info(r.job.job_id)
+                if r.job.state in TERMINAL:
+                    r.job.refresh_logs()
+                    del pending[name]
+                elif (r.case.trigger and r.triggered_at_step < 0 and r.job.state == "RUNNING"
+                      and _first_checkpoint(r.run_dir) >= 1):
+                    r.triggered_at_step = _first_checkpoint(r.run_dir)
+                    subprocess.run([*r.case.trigger, r.job.job_id], check=True, timeout=10)
+            time.sleep(0.5)
+    finally:
+        for r in pending.values():
+            subprocess.run(["scancel", r.job.job_id], timeout=10)
+    if pending:
+        pytest.fail("jobs did not finish within 600 s: "
+                    + "; ".join(f"{n} {r.job.state} restarts={r.job.restarts}\n{r.job.log_text}"
+                                for n, r in pending.items()))
+    return ran
 
 
-def test_usr1_preempts_requeues_and_resumes_trainer(slurm_cluster, tmp_path):
-    text, log_root, run_dir = _render(tmp_path, "tiny-preempt", ["run.epochs=6", "checkpoint.every_steps=0",
-                                                                 "slurm.time=00:15:00", "slurm.signal_lead_s=60"])
-    assert "#SBATCH --signal=USR1@60" in text and "#SBATCH --requeue" in text
-    job = start_job(text, log_root, "tiny-preempt")
+def _steps(run_dir: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
-    def two_steps_done() -> bool:
-        job.info = job_info(job.job_id)
-        if job.state in TERMINAL:
-            pytest.fail(f"job ended ({job.state}) before it was preempted\n{job.log_text}")
-        m = run_dir / "metrics.jsonl"
-        return m.is_file() and len(m.read_text().splitlines()) >= 2
 
-    wait_until(two_steps_done, 240, "two training steps")
-    subprocess.run(["scancel", "--signal=USR1", job.job_id], check=True, timeout=10)
-    job = wait_job(job, timeout_s=300, min_restarts=1)
-    log = job.log_text
-    assert job.state == "COMPLETED" and job.restarts == 1, log
+def _check_requeued_and_completed(r: Ran) -> None:
+    log = r.job.log_text
+    assert r.job.state == "COMPLETED" and r.job.restarts >= 1, log
     assert "received SIGUSR1" in log and "job requeued" in log and "resumed from" in log, log
-    rows = _metrics(run_dir)
-    # Every step exactly once across the two allocations, in order.
-    assert [r["step"] for r in rows] == list(range(12)), [r["step"] for r in rows]
-    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
-    assert ckpts and ckpts[-1] == "step-000012" and verify_checkpoint(run_dir / "checkpoints" / ckpts[-1]) is None
+    assert "Traceback" not in log and "CheckpointError" not in log, log
+    # Every step exactly once across the segments, in order; W&B got each of them, in one run.
+    n = r.case.steps
+    assert _steps(r.run_dir) == list(range(n)), log
+    runs = offline_runs(r.run_dir)
+    assert len(runs) == r.job.restarts + 1, runs
+    logged = sorted(s for run in runs for s in history_by_step(run))
+    assert logged == list(range(n)), logged
+    assert len({run_record(run)["run_id"] for run in runs}) == 1
+    final = r.run_dir / "checkpoints" / f"step-{n:06d}"
+    assert verify_checkpoint(final) is None
+    assert "finished in" in r.job.rank_logs[0], log
+
+
+def test_scancel_usr1_to_tasks_preempts_two_rank_job(jobs):
+    r = jobs["usr1-tasks"]
+    _check_requeued_and_completed(r)
+    # The preemption save came after a periodic one (the helper processes existed already).
+    assert r.triggered_at_step >= 1
+    assert re.search(r"preempted after step \d+: checkpoint saved, job requeued", r.job.rank_logs[0])
+
+
+def test_scancel_batch_usr1_is_forwarded_and_preempts(jobs):
+    r = jobs["usr1-batch"]
+    _check_requeued_and_completed(r)
+    assert "batch shell got USR1; forwarding" in r.job.batch_text
+
+
+def test_time_limit_batch_signal_preempts(jobs):
+    r = jobs["limit-batch"]
+    _check_requeued_and_completed(r)
+    assert "batch shell got USR1; forwarding" in r.job.batch_text
+
+
+def test_time_limit_task_signal_preempts(jobs):
+    r = jobs["limit-tasks"]
+    _check_requeued_and_completed(r)
+
+
+def test_scancel_cancels_in_one_call_with_a_checkpoint(jobs):
+    r = jobs["cancel"]
+    log = r.job.log_text
+    assert r.triggered_at_step >= 1, log
+    time.sleep(3)  # a requeue would show up as a restart by now
+    r.job.info = job_info(r.job.job_id)
+    assert r.job.state == "CANCELLED" and r.job.restarts == 0, log
+    assert "received SIGTERM: will checkpoint and stop without requeueing" in log, log
+    assert "requeue" not in r.job.rank_logs[0].replace("without requeueing", "").replace("not requeued", ""), log
+    m = re.search(r"stopped after step (\d+) on SIGTERM: checkpoint saved, job not requeued", r.job.rank_logs[0])
+    assert m, log
+    assert verify_checkpoint(r.run_dir / "checkpoints" / f"step-{int(m.group(1)):06d}") is None

@@ -40,7 +40,7 @@ def test_roundtrip_writes_every_part_and_manifest_last(tmp_path):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step-000012"
     manifest = json.loads((path / "manifest.json").read_text())
     assert set(manifest["files"]) == {"backend/model.pt", "backend/sub/optim.pt", "state/history.bin",
-                                      "state/counters.pkl", "ranks/rank-00000.pkl", "config.yaml"}
+                                      "state/counters.json", "ranks/rank-00000.json", "config.yaml"}
     assert verify_checkpoint(path) is None
     loaded = mgr.load(mgr.find_resume())
     assert loaded.step == 12
@@ -127,8 +127,48 @@ def test_explicit_resume_path_must_be_valid(tmp_path):
 
 def test_resume_never_and_fresh_auto(tmp_path):
     assert _mgr(tmp_path).find_resume() is None
-    _save(_mgr(tmp_path), 1)
     assert _mgr(tmp_path, resume="never").find_resume() is None
+
+
+def test_resume_never_in_a_used_folder_is_refused_unless_overwrite(tmp_path):
+    _save(_mgr(tmp_path), 1)
+    _save(_mgr(tmp_path), 2)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(CheckpointError, match=rf"resume=never, but {root} holds .*step-000002.*checkpoint.overwrite=true"):
+        _mgr(tmp_path, resume="never").find_resume()
+    assert len(_mgr(tmp_path).step_folders()) == 2
+    with pytest.warns(UserWarning, match="deleting the 2 checkpoints"):
+        assert _mgr(tmp_path, resume="never", overwrite=True).find_resume() is None
+    assert _mgr(tmp_path).step_folders() == [] and not (root / "latest").exists()
+    # The new run's step 1 is its own, not the old one kept because it was valid.
+    fresh = _save(_mgr(tmp_path, resume="never"), 1, b"new-run")
+    assert (fresh / "backend" / "model.pt").read_bytes() == b"weights-1-new-run"
+
+
+def test_all_corrupt_folder_under_auto_is_an_error(tmp_path):
+    for step in (1, 2):
+        p = _save(_mgr(tmp_path), step)
+        f = p / "state" / "history.bin"
+        f.write_bytes(b"X" * f.stat().st_size)
+    with pytest.warns(UserWarning, match="skipping incomplete"):
+        with pytest.raises(CheckpointError, match=r"resume=auto: none of the 2 checkpoint folders .* is complete"):
+            _mgr(tmp_path).find_resume()
+
+
+def test_assign_files_gives_each_rank_its_own_and_balances_the_rest():
+    from rhymerl.checkpoint import assign_files
+
+    files = {"ranks/rank-00001.pkl": 10, "ranks/rank-00000.pkl": 10, "backend/__1_0.distcp": 1000,
+             "backend/__0_0.distcp": 900, "backend/common.pt": 500, "state/history.bin": 400,
+             "config.yaml": 5, "backend/.metadata": 50}
+    out = assign_files(files, 2)
+    assert sorted(out[0] + out[1]) == sorted(files)
+    assert {"ranks/rank-00000.pkl", "backend/__0_0.distcp"} <= set(out[0])
+    assert {"ranks/rank-00001.pkl", "backend/__1_0.distcp"} <= set(out[1])
+    loads = [sum(files[f] for f in part) for part in out]
+    assert max(loads) - min(loads) <= 500
+    # More ranks than files: every file still exactly once.
+    assert sorted(f for part in assign_files(files, 16) for f in part) == sorted(files)
 
 
 def test_failed_save_leaves_previous_checkpoint_and_pointer_untouched(tmp_path):
@@ -225,7 +265,7 @@ def test_complete_folder_newer_than_pointer_wins(tmp_path):
     _save(mgr, 1)
     _save(mgr, 2)
     (tmp_path / "checkpoints" / "latest").write_text("step-000001\n")
-    with pytest.warns(UserWarning, match="step-000002 is newer and complete"):
+    with pytest.warns(UserWarning, match="step-000002 is newer; using it if it is complete"):
         assert mgr.find_resume().name == "step-000002"
 
 
@@ -265,3 +305,87 @@ def test_collective_find_resume_uses_rank0s_answer(tmp_path):
             t.join(30)
         assert not errors, errors
         assert check(out[0]) and check(out[1]), out
+
+
+class _ThreadWorld:
+    """Object collectives over threads, standing in for torch.distributed's."""
+
+    def __init__(self, n: int):
+        self.n, self.bar, self.box = n, threading.Barrier(n), {}
+
+    def all_gather(self, rank: int, obj):
+        self.bar.wait()
+        self.box[rank] = obj
+        self.bar.wait()
+        out = [self.box[r] for r in range(self.n)]
+        self.bar.wait()
+        return out
+
+    def manager(self, tmp_path: Path, rank: int, **cfg) -> CheckpointManager:
+        return CheckpointManager(CheckpointConfig(**cfg), tmp_path, rank=rank, world_size=self.n, barrier=self.bar.wait,
+                                 broadcast_object=lambda obj: self.all_gather(rank, obj)[0],
+                                 all_gather_object=lambda obj: self.all_gather(rank, obj))
+
+
+def _run_ranks(n: int, fn) -> dict:
+    out, errors = {}, []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001
+            out[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_collective_save_and_verify_hash_each_file_once(tmp_path, monkeypatch):
+    import rhymerl.checkpoint as ck
+
+    world = _ThreadWorld(3)
+    hashed: list[tuple[str, str]] = []
+    real = ck._sha256
+    monkeypatch.setattr(ck, "_sha256", lambda p, *a: hashed.append((threading.current_thread().name, str(p))) or real(p, *a))
+
+    def save_and_resume(rank: int):
+        mgr = world.manager(tmp_path, rank)
+
+        def backend_save(folder: Path) -> None:
+            (folder / f"__{rank}_0.distcp").write_bytes(bytes([rank]) * 1000)
+
+        mgr.save(2, {"trainer": {"step": 2}}, rank_state={"rank": rank}, backend_save=backend_save)
+        world.bar.wait()
+        path = mgr.find_resume()
+        return mgr.load(path, verify=False).rank_state
+
+    out = _run_ranks(3, save_and_resume)
+    assert out == {0: {"rank": 0}, 1: {"rank": 1}, 2: {"rank": 2}}, out
+    files = json.loads((tmp_path / "checkpoints" / "step-000002" / "manifest.json").read_text())["files"]
+    # Once at save, once at resume; never twice in a phase.
+    assert len(hashed) == 2 * len(files)
+    assert sorted({p for _, p in hashed}) == sorted(str(tmp_path / "checkpoints" / n) for n in
+                                                     [".tmp-step-000002/" + f for f in files] + ["step-000002/" + f for f in files])
+    assert len({name for name, _ in hashed}) == 3, "every rank hashes its share"
+
+
+def test_collective_resume_error_reaches_every_rank(tmp_path):
+    world = _ThreadWorld(2)
+    out = _run_ranks(2, lambda rank: world.manager(tmp_path, rank, resume=str(tmp_path / "missing")).find_resume())
+    assert all(isinstance(e, CheckpointError) and "does not exist" in str(e) for e in out.values()), out
+
+
+def test_collective_verify_catches_corruption_on_any_rank(tmp_path):
+    world = _ThreadWorld(2)
+    _run_ranks(2, lambda rank: world.manager(tmp_path, rank).save(
+        1, {"trainer": {}}, rank_state={"r": rank},
+        backend_save=lambda d: (d / f"__{rank}_0.distcp").write_bytes(b"w" * 100)))
+    f = tmp_path / "checkpoints" / "step-000001" / "backend" / "__1_0.distcp"
+    f.write_bytes(b"x" * 100)  # rank 1's own shard: only rank 1 hashes it
+    out = _run_ranks(2, lambda rank: world.manager(tmp_path, rank).find_resume())
+    assert all(isinstance(e, CheckpointError) and "__1_0.distcp does not match its sha256" in str(e)
+               for e in out.values()), out
