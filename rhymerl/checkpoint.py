@@ -333,6 +333,17 @@ class CheckpointManager:
         elif pointer and _STEP_RE.match(pointer) and folders and _step_of(Path(pointer)) < folders[-1][0]:
             self._warn(f"{root / LATEST} names {pointer} but {folders[-1][1].name} is newer; using it if it is complete")
 
+    def newest_valid(self) -> Optional[Path]:
+        """The newest complete checkpoint in this folder (one process); warns about each newer broken one."""
+        folders = self.step_folders()
+        self._pointer_warnings(self.root, folders)
+        for _, path in reversed(folders):
+            reason = self.verify(path)
+            if reason is None:
+                return path
+            self._warn(f"skipping incomplete checkpoint {path}: {reason}")
+        return None
+
     def _folders_under(self, root: Path) -> list[tuple[int, Path]]:
         if root == self.root:
             return self.step_folders()

@@ -49,7 +49,7 @@ def test_slurm_submit_refuses_before_sbatch(tmp_path, monkeypatch, capsys):
     cfg.write_text(yaml.safe_dump({"run": {"name": "pf"}, "data": {"tasks": ["no_such_task"]},
                                    "slurm": {"log_dir": str(tmp_path / "logs")}}))
     calls = []
-    monkeypatch.setattr(sl, "sbatch", lambda script: calls.append(script) or "1")
+    monkeypatch.setattr(sl, "sbatch", lambda script, *rest: calls.append(script) or "1")
     assert sl.main(["submit", str(cfg)]) == 2
     assert "data.tasks" in capsys.readouterr().err and not calls
     assert not (tmp_path / "logs").exists()
