@@ -266,7 +266,7 @@ class Trainer:
             mask[i, p:len(r)] = 1.0
             eng[i, p:len(r)] = torch.tensor(s.logprobs[:len(s.token_ids)], dtype=torch.float32)
         return PolicyBatch(input_ids=ids, response_mask=mask, advantages=torch.tensor(adv, dtype=torch.float32),
-                           old_logprobs=torch.zeros_like(mask), engine_logprobs=eng)
+                           engine_logprobs=eng)
 
     def _train(self, samples: list[Sample], adv: np.ndarray) -> dict:
         from rhymerl.algorithms import logprob_mismatch
