@@ -211,6 +211,10 @@ class DataConfig:
     system_prompt: str = ""
     few_shot: int = 0
     max_prompt_tokens: int = 512
+    # What a plain-text prompt asks for after the question: "final_only" (just the answer),
+    # "step_by_step" (the work, then a last line "Answer: ...", which the scorer reads), or
+    # "none" (the prompts carry their own instruction). Chat-message prompts are left as they are.
+    answer_format: Literal["final_only", "step_by_step", "none"] = "final_only"
 
 
 @dataclass

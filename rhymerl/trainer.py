@@ -308,21 +308,28 @@ class Trainer:
             mask[i, p:len(r)] = 1.0
             eng[i, p:len(r)] = torch.tensor(s.logprobs[:len(s.token_ids)], dtype=torch.float32)
         return PolicyBatch(input_ids=ids, response_mask=mask, advantages=torch.tensor(adv, dtype=torch.float32),
-                           old_logprobs=torch.zeros_like(mask), engine_logprobs=eng)
+                           engine_logprobs=eng)
 
     def _train(self, samples: list[Sample], adv: np.ndarray) -> dict:
         from rhymerl.algorithms import logprob_mismatch
+        from rhymerl.training.micro_loss import engine_mismatch
 
         t0 = time.perf_counter()
         batch = self._policy_batch(samples, adv)
+        # One update per batch is on-policy: the loss's own forward gives the old log-probs.
+        on_policy = self.cfg.algo.updates_per_step == 1
         with torch.no_grad():
-            batch.old_logprobs = self.backend.compute_logprobs(batch.input_ids, batch.response_mask)
+            if not on_policy:
+                batch.old_logprobs = self.backend.compute_logprobs(batch.input_ids, batch.response_mask)
             if self.ref_backend is not None:
                 batch.ref_logprobs = self.ref_backend.compute_logprobs(batch.input_ids, batch.response_mask)
-        mism = logprob_mismatch(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)
+        if not on_policy:
+            mism = logprob_mismatch(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)
         out = {}
         for _ in range(self.cfg.algo.updates_per_step):
             m = self.backend.train_step(batch)
+            if on_policy:
+                mism = engine_mismatch(m.extra)
             out = {"train/loss": m.loss, "train/grad_norm": m.grad_norm, "train/lr": m.lr,
                    **{f"train/{k}": v for k, v in m.extra.items()}}
         out.update({f"train/logprob_{k}": v for k, v in mism.items()})

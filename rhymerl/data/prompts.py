@@ -5,7 +5,18 @@ from __future__ import annotations
 from rhymerl.config import DataConfig
 from rhymerl.data.records import DatasetError, PromptRecord
 
-ANSWER_INSTRUCTION = "Give only the final answer."
+# The instruction appended to a plain-text question, per ``data.answer_format``. The
+# step-by-step one names the line the scorer reads (rhymerl.rewards.scorers.extract_answer).
+ANSWER_INSTRUCTIONS = {
+    "final_only": "Give only the final answer.",
+    "step_by_step": "Solve it step by step, explaining each step. End with a line: Answer: <answer>",
+    "none": "",
+}
+
+
+def _ask(question: str, cfg: DataConfig) -> str:
+    instruction = ANSWER_INSTRUCTIONS[cfg.answer_format]
+    return f"{question} {instruction}" if instruction else question
 
 
 def messages_for(record: PromptRecord, shots: list[PromptRecord], cfg: DataConfig) -> list[dict]:
@@ -14,12 +25,14 @@ def messages_for(record: PromptRecord, shots: list[PromptRecord], cfg: DataConfi
         msgs.append({"role": "system", "content": cfg.system_prompt})
     for s in shots:
         q = s.prompt if isinstance(s.prompt, str) else s.prompt[-1]["content"]
-        msgs.append({"role": "user", "content": f"{q} {ANSWER_INSTRUCTION}"})
-        msgs.append({"role": "assistant", "content": s.answer})
+        msgs.append({"role": "user", "content": _ask(q, cfg)})
+        # A shot shows the format it asks for; its worked steps are not in the data, only the answer.
+        shot = f"Answer: {s.answer}" if cfg.answer_format == "step_by_step" else s.answer
+        msgs.append({"role": "assistant", "content": shot})
     if isinstance(record.prompt, list):
         msgs.extend(record.prompt)
     else:
-        msgs.append({"role": "user", "content": f"{record.prompt} {ANSWER_INSTRUCTION}"})
+        msgs.append({"role": "user", "content": _ask(record.prompt, cfg)})
     return msgs
 
 

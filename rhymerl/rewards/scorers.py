@@ -42,6 +42,9 @@ class RewardResult:
 Scorer = Callable[[RewardItem], Union[float, RewardResult]]
 
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
+# A final-answer line, "Answer: 42" (markdown emphasis around the label allowed): the format
+# data.answer_format=step_by_step asks for.
+_ANSWER_LINE = re.compile(r"^[ \t>#*_]*(?:final )?answer[*_]*[ \t]*[:=][*_]*[ \t]*(.*?)[ \t*_.]*$", re.IGNORECASE | re.MULTILINE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -66,13 +69,18 @@ def extract_answer(text: str) -> Optional[str]:
     """The final answer of a response, by precedence.
 
     1. the last ``<answer>...</answer>`` (reasoning-gym's format);
-    2. the last ``\\boxed{...}``;
-    3. the last number on the last non-empty line ("... so the answer is -129.");
-    4. that last line itself.
+    2. the last non-empty ``Answer: ...`` line (a ``\\boxed{}`` in it wins);
+    3. the last ``\\boxed{...}``;
+    4. the last number on the last non-empty line ("... so the answer is -129.");
+    5. that last line itself.
     """
     tags = _ANSWER_TAG.findall(text)
     if tags:
         return tags[-1].strip()
+    lines = [m for m in _ANSWER_LINE.findall(text) if m.strip()]
+    if lines:
+        inner = last_boxed(lines[-1])
+        return inner if inner is not None else lines[-1].strip()
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed

@@ -24,7 +24,9 @@ class PolicyBatch:
     input_ids: torch.Tensor          # [B, T] int64, prompt + response, right-padded
     response_mask: torch.Tensor      # [B, T] float, 1 where the token at t is a response token
     advantages: torch.Tensor         # [B] float, one per response
-    old_logprobs: torch.Tensor       # [B, T] float, log p_old(token_t | <t) at response positions (0 elsewhere)
+    # [B, T] float, log p_old(token_t | <t) at response positions (0 elsewhere). None: the step is
+    # on-policy and the loss takes them, detached, from its own forward (no separate pass).
+    old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None   # [B, T], for a KL term
     engine_logprobs: Optional[torch.Tensor] = None  # [B, T], from the rollout engine (correctness signal)
 

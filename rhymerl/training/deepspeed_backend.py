@@ -20,7 +20,8 @@ from rhymerl.config import AlgorithmConfig, ParallelConfig
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
 from rhymerl.training.megatron_backend import DTYPES, combine_metrics
-from rhymerl.training.microbatch import plan_micro_batches, policy_micro_batches, rank_slice, split_micro
+from rhymerl.training.micro_loss import micro_batch_loss
+from rhymerl.training.microbatch import pad_columns, policy_micro_batches, split_policy_rows, unpermute_rows
 from rhymerl.training.process_groups import ProcessGroups
 
 
@@ -103,13 +104,14 @@ class DeepSpeedBackend:
     def compute_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         g = self.groups
         B, T = input_ids.shape
-        plan = plan_micro_batches(B, T, g.dp_size, self.algo_cfg.micro_batch_tokens)
+        plan, perm, micro = split_policy_rows({"input_ids": input_ids.long()}, response_mask, g.dp_size, g.dp_rank,
+                                              self.algo_cfg.micro_batch_tokens, fixed_shape=False)
         self.engine.eval()
         with torch.no_grad():
-            local = torch.cat([self._forward_lp(m) for m in split_micro(rank_slice(input_ids.long(), plan, g.dp_rank), plan)])
+            local = torch.cat([pad_columns(self._forward_lp(m["input_ids"]), T) for m in micro])
         if self.optimizer is not None:
             self.engine.train()
-        full = self._gather_dp(local.float(), plan.rows_per_rank)
+        full = unpermute_rows(self._gather_dp(local.float(), plan.rows_per_rank), perm)
         return full[:B] * response_mask.to(full.dtype)
 
     # ------------------------------------------------------------------ training
@@ -123,21 +125,19 @@ class DeepSpeedBackend:
             raise RuntimeError("this backend was built with train=False")
         g = self.groups
         B = batch.input_ids.shape[0]
-        plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens)
+        plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens,
+                                           fixed_shape=False)
         num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
         self.engine.train()
         per_micro, loss_total = [], 0.0
         for i, mb in enumerate(micro):
             lp = self._forward_lp(mb["input_ids"])
-            dev = lp.device
-            loss, metrics = loss_fn(lp, mb["old"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
-                                    self.algo_cfg, mb["ref"].to(dev) if "ref" in mb else None,
-                                    num_tokens=num_tokens, num_sequences=float(B))
+            loss, metrics = micro_batch_loss(loss_fn, lp, mb, self.algo_cfg, num_tokens, float(B))
             self.engine.set_gradient_accumulation_boundary(i == plan.num_micro - 1)
             # DeepSpeed averages gradients over DP ranks; the loss is already this shard's share.
             self.engine.backward(loss * g.dp_size, scale_wrt_gas=False)
             loss_total += float(loss.detach())
-            per_micro.append({k: float(v) for k, v in metrics.items()})
+            per_micro.append(metrics)
         self.engine.step()
         self.steps += 1
         if g.dp_size > 1:

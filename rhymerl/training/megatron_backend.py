@@ -23,7 +23,9 @@ from rhymerl.resharding.exporter import HFExportStats, export_hf_buckets
 from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_hf
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint, shield_megatron_writer
 from rhymerl.training.base import PolicyBatch, StepMetrics
-from rhymerl.training.microbatch import plan_micro_batches, policy_micro_batches, rank_slice, split_micro
+from rhymerl.training.micro_loss import micro_batch_loss
+from rhymerl.training.microbatch import (pad_columns, plan_micro_batches, policy_micro_batches, rank_slice,
+                                        split_micro, split_policy_rows, unpermute_rows)
 from rhymerl.training.process_groups import ProcessGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -223,7 +225,8 @@ class MegatronBackend:
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
             ids = mb["input_ids"].to(g.device)
-            pos = torch.arange(seq, device=g.device).unsqueeze(0).expand(rows, -1)
+            # Without pipeline stages each micro-batch may be cut to its own longest row.
+            pos = torch.arange(ids.shape[1], device=g.device).unsqueeze(0).expand(ids.shape[0], -1)
             out = model(ids, pos, None)
             return out, partial(loss_func, mb)
 
@@ -240,13 +243,12 @@ class MegatronBackend:
     def compute_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         g = self.groups
         B, T = input_ids.shape
-        plan = plan_micro_batches(B, T, g.dp_size, self.algo_cfg.micro_batch_tokens)
-        ids = rank_slice(input_ids.long(), plan, g.dp_rank)
-        micro = [{"input_ids": m} for m in split_micro(ids, plan)]
+        plan, perm, micro = split_policy_rows({"input_ids": input_ids.long()}, response_mask, g.dp_size, g.dp_rank,
+                                              self.algo_cfg.micro_batch_tokens, fixed_shape=g.pp_size > 1)
 
         def loss_func(mb, logits):
             lp = self._token_logprobs(logits, mb["input_ids"].to(logits.device))
-            return lp.sum() * 0.0, {"logprobs": lp.detach().float().cpu()}
+            return lp.sum() * 0.0, {"logprobs": pad_columns(lp.detach().float().cpu(), T)}
 
         self.model.eval()
         with torch.no_grad():
@@ -255,7 +257,7 @@ class MegatronBackend:
         local = torch.zeros(plan.rows_per_micro * plan.num_micro, T, dtype=torch.float32)
         if g.is_last_stage:
             local = torch.cat([o["logprobs"] for o in out], dim=0)
-        full = self._gather_dp(self._broadcast_from_last_stage(local.to(g.device)), plan)
+        full = unpermute_rows(self._gather_dp(self._broadcast_from_last_stage(local.to(g.device)), plan), perm)
         return full[:B] * response_mask.to(full.dtype)
 
     def _gather_dp(self, local: torch.Tensor, plan) -> torch.Tensor:
@@ -305,7 +307,8 @@ class MegatronBackend:
             raise RuntimeError("this backend was built with train=False")
         g = self.groups
         B = batch.input_ids.shape[0]
-        plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens)
+        plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens,
+                                           fixed_shape=g.pp_size > 1)
         num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
         loss_fn = self._policy_loss()
         # The schedule divides each micro-batch loss by their number and megatron's DDP averages
@@ -313,12 +316,8 @@ class MegatronBackend:
         scale = plan.num_micro * g.dp_size
 
         def loss_func(mb, logits):
-            dev = logits.device
-            lp = self._token_logprobs(logits, mb["input_ids"].to(dev))
-            loss, metrics = loss_fn(lp, mb["old"].to(dev), mb["advantages"].to(dev), mb["mask"].to(dev),
-                                    self.algo_cfg, mb["ref"].to(dev) if "ref" in mb else None,
-                                    num_tokens=num_tokens, num_sequences=float(B))
-            metrics = {k: float(v) for k, v in metrics.items()}
+            lp = self._token_logprobs(logits, mb["input_ids"].to(logits.device))
+            loss, metrics = micro_batch_loss(loss_fn, lp, mb, self.algo_cfg, num_tokens, float(B))
             metrics["loss_share"] = float(loss.detach())
             return loss * scale, metrics
 

@@ -2,6 +2,11 @@
 
 Pure tensor logic. Every micro-batch has the same number of rows (pipeline schedules send
 fixed-shape activations), so the last one is padded with rows whose mask is zero.
+
+Rows are ordered by length before they are dealt (``length_order``), so each micro-batch
+holds rows of similar length; without pipeline stages a micro-batch is then cut to its own
+longest row (``trim_columns``) instead of the batch's, which is what a long-tailed batch of
+responses otherwise pays for in padding.
 """
 
 from __future__ import annotations
@@ -45,14 +50,80 @@ def split_micro(t: torch.Tensor, plan: MicroBatchPlan) -> list[torch.Tensor]:
     return list(t.split(plan.rows_per_micro, dim=0))
 
 
-def policy_micro_batches(batch, dp_size: int, dp_rank: int, micro_batch_tokens: int) -> tuple[MicroBatchPlan, list[dict]]:
-    """This DP rank's micro-batches of a ``PolicyBatch`` as dicts of input_ids / mask /
-    advantages / old (and ref when the batch has reference log-probs)."""
-    B, T = batch.input_ids.shape
+def row_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """[B] tokens each right-padded row needs: one past its last masked (response) position."""
+    pos = torch.arange(1, mask.shape[1] + 1, dtype=torch.long)
+    return ((mask > 0).long() * pos).amax(dim=1) if mask.numel() else torch.zeros(mask.shape[0], dtype=torch.long)
+
+
+def length_order(lengths: torch.Tensor, plan: MicroBatchPlan, dp_size: int) -> torch.Tensor:
+    """A permutation of the rows: longest first, dealt round-robin over the DP ranks (each
+    rank gets as many rows as ``rank_slice`` takes from it), so every rank's micro-batch i
+    holds rows of about the same length. Ties keep the original order."""
+    B = lengths.shape[0]
+    caps = [max(0, min(plan.rows_per_rank, B - r * plan.rows_per_rank)) for r in range(dp_size)]
+    dealt: list[list[int]] = [[] for _ in range(dp_size)]
+    ranks = [r for r in range(dp_size) if caps[r] > 0]
+    i = 0
+    for row in torch.argsort(lengths, descending=True, stable=True).tolist():
+        while len(dealt[ranks[i % len(ranks)]]) >= caps[ranks[i % len(ranks)]]:
+            i += 1
+        dealt[ranks[i % len(ranks)]].append(row)
+        i += 1
+    return torch.tensor([row for part in dealt for row in part], dtype=torch.long)
+
+
+def trim_columns(micro: dict, lengths: torch.Tensor) -> dict:
+    """A micro-batch cut to its longest row; per-row fields (1-D) stay as they are."""
+    width = max(int(lengths.max()), 1) if lengths.numel() else 1
+    return {k: (v[:, :width] if v.dim() == 2 else v) for k, v in micro.items()}
+
+
+def split_policy_rows(fields: dict, mask: torch.Tensor, dp_size: int, dp_rank: int, micro_batch_tokens: int,
+                      fixed_shape: bool) -> tuple[MicroBatchPlan, torch.Tensor, list[dict]]:
+    """This DP rank's micro-batches of the row-aligned tensors in ``fields`` (each [B, ...]):
+    the plan, the row permutation applied (``perm[j]`` is the batch row in slot j of the
+    permuted batch) and the micro-batches, cut to their longest row unless ``fixed_shape``."""
+    B, T = mask.shape
     plan = plan_micro_batches(B, T, dp_size, micro_batch_tokens)
+    lengths = row_lengths(mask)
+    perm = length_order(lengths, plan, dp_size)
+    fields = dict(fields, _len=lengths)
+    split = {k: split_micro(rank_slice(v[perm], plan, dp_rank), plan) for k, v in fields.items()}
+    micro = []
+    for i in range(plan.num_micro):
+        mb = {k: split[k][i] for k in split}
+        lens = mb.pop("_len")
+        micro.append(mb if fixed_shape else trim_columns(mb, lens))
+    return plan, perm, micro
+
+
+def unpermute_rows(full: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """Rows of a result computed on the permuted batch, back in the batch's order."""
+    out = torch.empty_like(full[: perm.shape[0]])
+    out[perm] = full[: perm.shape[0]]
+    return out
+
+
+def pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    if t.shape[1] == width:
+        return t
+    return torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], dim=1)
+
+
+def policy_micro_batches(batch, dp_size: int, dp_rank: int, micro_batch_tokens: int,
+                         fixed_shape: bool = True) -> tuple[MicroBatchPlan, list[dict]]:
+    """This DP rank's micro-batches of a ``PolicyBatch`` as dicts of input_ids / mask /
+    advantages, ``old`` when the batch carries old log-probs (none: the step is on-policy and
+    the loss takes them from its own forward, with the engine's log-probs as ``engine`` for the
+    engine/trainer check), and ``ref`` when it has reference log-probs."""
     fields = {"input_ids": batch.input_ids.long(), "mask": batch.response_mask.float(),
-              "advantages": batch.advantages.float(), "old": batch.old_logprobs.float()}
+              "advantages": batch.advantages.float()}
+    if batch.old_logprobs is not None:
+        fields["old"] = batch.old_logprobs.float()
+    elif batch.engine_logprobs is not None:
+        fields["engine"] = batch.engine_logprobs.float()
     if batch.ref_logprobs is not None:
         fields["ref"] = batch.ref_logprobs.float()
-    split = {k: split_micro(rank_slice(v, plan, dp_rank), plan) for k, v in fields.items()}
-    return plan, [{k: split[k][i] for k in split} for i in range(plan.num_micro)]
+    plan, _, micro = split_policy_rows(fields, batch.response_mask, dp_size, dp_rank, micro_batch_tokens, fixed_shape)
+    return plan, micro

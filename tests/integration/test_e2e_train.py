@@ -23,9 +23,13 @@ pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 # 8 prompts, 4 per step: 2 steps per epoch, 2 epochs. The learning rate is raised so that
-# a rise is visible within 4 steps; the pretrained model already solves some prompts.
+# a rise is visible within 4 steps; the pretrained model already solves some prompts. The
+# main job's step-by-step answers take minutes per step: these runs ask for the final answer
+# only, on 1-digit sums, so that 24 tokens hold it (same machinery, shorter responses).
+SHORT_ANSWERS = ["data.tasks=[chain_sum]", "data.answer_format=final_only",
+                 "data.task_args={chain_sum: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}"]
 SMALL = ["run.epochs=2", "data.size=8", "data.prompts_per_step=4", "tracking.wandb=disabled",
-         "checkpoint.every_steps=0", "reward.workers=1", "algo.lr=1e-5", "rollout.max_tokens=24"]
+         "checkpoint.every_steps=0", "reward.workers=1", "algo.lr=1e-5", "rollout.max_tokens=24", *SHORT_ANSWERS]
 
 
 def fisher_exact_p(a: int, b: int, c: int, d: int) -> float:
@@ -90,6 +94,9 @@ def test_tiny_config_single_process_learns_and_drafts(single_run):
     assert all(r["reward/errors"] == 0 for r in rows)
     # The engine's log-probs of its own tokens agree with the trainer's (resharding is right).
     assert all(r["train/logprob_max_abs"] < 0.05 for r in rows), [r["train/logprob_max_abs"] for r in rows]
+    assert all(0 < r["train/logprob_mean_abs"] <= r["train/logprob_max_abs"] for r in rows)
+    # One update per batch is on-policy: the old log-probs are the loss's own forward's.
+    assert all(r["train/ratio_max"] == r["train/ratio_min"] == 1.0 for r in rows)
 
 
 def test_tiny_config_two_ranks_dp2_learns_and_drafts(tmp_path):

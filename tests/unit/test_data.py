@@ -73,3 +73,21 @@ def test_sampler_next_epoch():
     s.next_batch()
     assert s.next_epoch == 1
     assert s.next_batch().epoch == 1
+
+
+def test_answer_format_sets_the_instruction_the_prompt_ends_with():
+    from rhymerl.config import DataConfig
+    from rhymerl.data import PromptRecord
+    from rhymerl.data.prompts import messages_for
+
+    rec = PromptRecord(id="q", prompt="What is 2 + 3?", answer="5")
+    shot = PromptRecord(id="s", prompt="What is 1 + 1?", answer="2")
+    final = messages_for(rec, [shot], DataConfig(answer_format="final_only"))
+    assert final[-1]["content"] == "What is 2 + 3? Give only the final answer." and final[1]["content"] == "2"
+    steps = messages_for(rec, [shot], DataConfig(answer_format="step_by_step"))
+    assert steps[-1]["content"].startswith("What is 2 + 3? Solve it step by step")
+    assert "only the final answer" not in steps[-1]["content"] and steps[1]["content"] == "Answer: 2"
+    assert messages_for(rec, [], DataConfig(answer_format="none"))[-1]["content"] == "What is 2 + 3?"
+    # Chat-message prompts carry their own instruction.
+    chat = PromptRecord(id="c", prompt=[{"role": "user", "content": "hi"}], answer="x")
+    assert messages_for(chat, [], DataConfig(answer_format="step_by_step")) == [{"role": "user", "content": "hi"}]

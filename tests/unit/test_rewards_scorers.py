@@ -13,6 +13,11 @@ def test_extract_answer_precedence():
     assert extract_answer("steps\n\nSo the total is 1,234.\n") == "1234"
     assert extract_answer("hmm\nforty two") == "forty two"
     assert extract_answer("   ") is None
+    # The final-answer line data.answer_format=step_by_step asks for, after the work.
+    assert extract_answer("3 + 4 = 7\n7 + 5 = 12\nAnswer: 12") == "12"
+    assert extract_answer("**Answer:** -3.\nHope this helps, 9 more") == "-3"
+    assert extract_answer("Answer: 5\nchecking: 2 + 3 = 5\nanswer: \\boxed{6}") == "6"
+    assert extract_answer("The answer: 5 apples\nso 8") == "8"
     assert last_boxed(r"\boxed{a{b}c") is None
 
 

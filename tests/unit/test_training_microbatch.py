@@ -44,3 +44,46 @@ def test_combine_metrics():
     assert m["tokens"] == 40.0
     assert m["clip_frac"] == pytest.approx((0.5 * 10 + 0.1 * 30) / 40)
     assert m["ratio_max"] == 1.5 and m["ratio_min"] == 0.7
+
+
+def _ragged_mask(lengths: list[int], prompt: int, width: int) -> torch.Tensor:
+    mask = torch.zeros(len(lengths), width)
+    for i, n in enumerate(lengths):
+        mask[i, prompt:n] = 1.0
+    return mask
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_length_ordered_micro_batches_cover_every_row_and_cut_padding(dp, fixed_shape):
+    from rhymerl.training.microbatch import pad_columns, row_lengths, split_policy_rows, unpermute_rows
+
+    lengths = [40, 6, 9, 33, 7, 12, 8]
+    T = max(lengths)
+    mask = _ragged_mask(lengths, 3, T)
+    ids = torch.arange(1, len(lengths) * T + 1).view(len(lengths), T) * (torch.arange(T) < torch.tensor(lengths)[:, None])
+    assert row_lengths(mask).tolist() == lengths
+    parts, cells = [], 0
+    for r in range(dp):
+        plan, perm, micro = split_policy_rows({"input_ids": ids, "mask": mask}, mask, dp, r, 2 * T, fixed_shape)
+        assert sorted(perm.tolist()) == list(range(len(lengths)))
+        for mb in micro:
+            width = mb["input_ids"].shape[1]
+            # No real token is ever cut off, and without fixed shapes nothing wider than its longest row.
+            assert width == T if fixed_shape else width == max(int(row_lengths(mb["mask"]).max()), 1)
+            cells += mb["input_ids"].numel()
+        parts.append(torch.cat([pad_columns(mb["input_ids"], T) for mb in micro])[: plan.rows_per_rank])
+    # A per-row result computed on the micro-batches comes back in the batch's order, exactly.
+    assert torch.equal(unpermute_rows(torch.cat(parts), perm), ids)
+    if not fixed_shape and dp == 1:
+        # Longest rows together: the two long ones share a micro-batch, the short ones do not pay for them.
+        assert cells < len(lengths) * T * 0.6
+
+
+def test_length_order_balances_ranks():
+    from rhymerl.training.microbatch import length_order, plan_micro_batches
+
+    plan = plan_micro_batches(6, 10, 2, 100)
+    perm = length_order(torch.tensor([1, 9, 2, 8, 3, 7]), plan, 2)
+    # Longest first, dealt in turn: each rank gets one of the two longest rows.
+    assert perm.tolist() == [1, 5, 2, 3, 4, 0]

@@ -1,0 +1,104 @@
+"""On-policy steps take the old log-probs from the loss's own forward: same gradient as a
+separate no-grad pass, ratio exactly 1 (pure logic on a tiny randomly initialised Llama)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rhymerl.config import AlgorithmConfig
+from rhymerl.training.base import PolicyBatch
+
+pytestmark = pytest.mark.cpu
+
+
+def _model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).float()
+
+
+def _batch() -> PolicyBatch:
+    g = torch.Generator().manual_seed(1)
+    lengths, prompt, T = [20, 9, 31, 12, 7, 25], 5, 31
+    ids = torch.randint(1, 97, (len(lengths), T), generator=g)
+    mask = torch.zeros(len(lengths), T)
+    for i, n in enumerate(lengths):
+        ids[i, n:] = 0
+        mask[i, prompt:n] = 1.0
+    adv = torch.tensor([1.0, -0.5, 0.7, -1.2, 0.3, -0.3])
+    return PolicyBatch(input_ids=ids, response_mask=mask, advantages=adv)
+
+
+def _token_lp(model, ids):
+    from rhymerl.training.deepspeed_backend import token_logprobs
+
+    return token_logprobs(model(input_ids=ids).logits, ids)
+
+
+def _grads(model, batch: PolicyBatch, cfg: AlgorithmConfig, dp: int = 2):
+    from rhymerl.algorithms.losses import policy_loss
+    from rhymerl.training.micro_loss import micro_batch_loss
+    from rhymerl.training.microbatch import policy_micro_batches
+
+    model.zero_grad()
+    n_tok = float(batch.response_mask.sum())
+    metrics = []
+    # Two DP ranks' shards accumulate into one gradient, as the all-reduce would sum them.
+    for rank in range(dp):
+        _, micro = policy_micro_batches(batch, dp, rank, cfg.micro_batch_tokens, fixed_shape=False)
+        for mb in micro:
+            loss, m = micro_batch_loss(policy_loss, _token_lp(model, mb["input_ids"]), mb, cfg, n_tok,
+                                       float(batch.input_ids.shape[0]))
+            loss.backward()
+            metrics.append(m)
+    return {k: p.grad.clone() for k, p in model.named_parameters()}, metrics
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "sequence"])
+def test_on_policy_gradient_equals_separate_pass(loss_agg):
+    cfg = AlgorithmConfig(micro_batch_tokens=64, loss_agg=loss_agg)
+    model = _model()
+    batch = _batch()
+    with torch.no_grad():
+        old = _token_lp(model, batch.input_ids) * batch.response_mask
+    separate = PolicyBatch(batch.input_ids, batch.response_mask, batch.advantages, old_logprobs=old)
+    g_sep, m_sep = _grads(model, separate, cfg)
+    g_on, m_on = _grads(model, batch, cfg)
+    assert g_sep.keys() == g_on.keys()
+    for k in g_on:
+        assert g_on[k].abs().sum() > 0 or g_sep[k].abs().sum() == 0, k
+        torch.testing.assert_close(g_on[k], g_sep[k], rtol=1e-5, atol=1e-9, msg=k)
+    # Ratio exactly 1, nothing clipped, and the separate pass agreed to float rounding.
+    for m in m_on:
+        if m["tokens"]:
+            assert m["ratio_max"] == m["ratio_min"] == 1.0 and m["clip_frac"] == 0.0 and m["approx_kl"] == 0.0
+    assert all(abs(m["ratio_max"] - 1.0) < 1e-5 for m in m_sep if m["tokens"])
+
+
+def test_on_policy_micro_batches_carry_engine_logprobs_for_the_agreement_check():
+    from rhymerl.algorithms.losses import policy_loss
+    from rhymerl.training.megatron_backend import combine_metrics
+    from rhymerl.training.micro_loss import engine_mismatch, micro_batch_loss
+    from rhymerl.training.microbatch import policy_micro_batches
+
+    cfg = AlgorithmConfig(micro_batch_tokens=64)
+    model = _model()
+    batch = _batch()
+    with torch.no_grad():
+        exact = _token_lp(model, batch.input_ids) * batch.response_mask
+    batch.engine_logprobs = exact + 0.25 * batch.response_mask
+    batch.engine_logprobs[2, 10] += 1.0
+    _, micro = policy_micro_batches(batch, 1, 0, cfg.micro_batch_tokens, fixed_shape=False)
+    assert all("old" not in mb and "engine" in mb for mb in micro)
+    with torch.no_grad():
+        ms = [micro_batch_loss(policy_loss, _token_lp(model, mb["input_ids"]), mb, cfg, 1.0, 6.0)[1] for mb in micro]
+    extra = combine_metrics(ms)
+    got = engine_mismatch(extra)
+    n = float(batch.response_mask.sum())
+    assert got["max_abs"] == pytest.approx(1.25, abs=1e-5)
+    assert got["mean_abs"] == pytest.approx((0.25 * n + 1.0) / n, abs=1e-5)
+    assert got["tokens"] == n and "engine_lp_diff_max" not in extra
