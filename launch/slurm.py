@@ -82,6 +82,28 @@ def layout(slurm: SlurmConfig, parallel: ParallelConfig) -> tuple[int, int]:
     return per_node, world
 
 
+def _rendezvous_host_lines(nodes: int) -> list[str]:
+    """Shell lines that set MASTER_ADDR: where rank 0 (the batch host) listens."""
+    if nodes == 1:
+        return ["# Rendezvous: the first host of the allocation (where this script runs) hosts rank 0.",
+                'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)']
+    # Across nodes the address must be reachable from the other hosts: the batch host's NodeAddr
+    # (what slurmctld itself uses to reach it) rather than a host name that may resolve only
+    # locally; the host name when NodeAddr cannot be read. RHYMERL_MASTER_ADDR overrides both
+    # (e.g. the address on a faster fabric).
+    return [
+        "# Rendezvous: the first host of the allocation (where this script runs) hosts rank 0,",
+        "# reached by the other nodes at its Slurm NodeAddr. RHYMERL_MASTER_ADDR overrides.",
+        'MASTER_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        'if [[ -n "${RHYMERL_MASTER_ADDR:-}" ]]; then',
+        '    MASTER_ADDR=$RHYMERL_MASTER_ADDR',
+        'else',
+        '    MASTER_ADDR=$(scontrol show node "$MASTER_HOST" -o 2>/dev/null | sed -n \'s/.* NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+        '    MASTER_ADDR=${MASTER_ADDR:-$MASTER_HOST}',
+        'fi',
+    ]
+
+
 def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str, config_path: Path,
                   overrides: Sequence[str] = (), workdir: Optional[Path] = None, python: Optional[str] = None,
                   entry: Sequence[str] = DEFAULT_ENTRY, setup_lines: Sequence[str] = ()) -> str:
@@ -151,8 +173,7 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
         'RESTART=${SLURM_RESTART_COUNT:-0}',
         'echo "[rhymerl-slurm] job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST at $(date -Is)"',
         "",
-        "# Rendezvous: the first host of the allocation (where this script runs) hosts rank 0.",
-        'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        *_rendezvous_host_lines(slurm.nodes),
         "# Port derived from the job id (stable across requeues), then probed for the first free one",
         "# so two jobs sharing a node cannot collide. RHYMERL_MASTER_PORT overrides.",
         f"BASE_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",

@@ -12,7 +12,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import pytest
 
@@ -50,8 +50,9 @@ def slurm_cluster() -> str:
     return os.environ.get("SLURM_CONF", "")
 
 
-def job_info(job_id: str) -> dict[str, str]:
-    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+def job_info(job_id: str, client: Sequence[str] = ()) -> dict[str, str]:
+    """``client``: a command prefix that runs Slurm clients elsewhere (a login node's wrapper)."""
+    out = subprocess.run([*client, "scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
                          timeout=10).stdout
     return dict(m.groups() for m in re.finditer(r"(\w+)=(\S*)", out))
 
@@ -107,18 +108,18 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str, poll_s: fl
     raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def wait_job(job: SlurmJob, timeout_s: float, min_restarts: int = 0) -> SlurmJob:
+def wait_job(job: SlurmJob, timeout_s: float, min_restarts: int = 0, client: Sequence[str] = ()) -> SlurmJob:
     """Wait until the job is terminal (and has restarted ``min_restarts`` times); cancel on timeout."""
     t0 = time.monotonic()
 
     def done() -> bool:
-        job.info = job_info(job.job_id)
+        job.info = job_info(job.job_id, client)
         return job.state in TERMINAL and (job.restarts >= min_restarts or job.state != "COMPLETED")
 
     try:
         wait_until(done, timeout_s, f"job {job.job_id}")
     except TimeoutError:
-        subprocess.run(["scancel", job.job_id], timeout=10)
+        subprocess.run([*client, "scancel", job.job_id], timeout=10)
         pytest.fail(f"job {job.job_id} did not finish within {timeout_s} s (state {job.state}, "
                     f"restarts {job.restarts})\n{job.log_text}")
     job.elapsed_s += time.monotonic() - t0
