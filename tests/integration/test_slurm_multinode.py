@@ -34,9 +34,9 @@ CLIENT = (str(LOGIN),)
 NODES = {"rmn0": "10.213.0.1", "rmn1": "10.213.0.2"}
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 # 8 prompts, 4 per step: 2 steps per epoch, 8 steps in all; a periodic checkpoint every EVERY
-# steps; USR1 once SIGNAL_AFTER steps are logged, so the first allocation saves the preemption
-# checkpoint before its first periodic one.
-STEPS, EVERY, SIGNAL_AFTER = 8, 6, 1
+# steps; USR1 once SIGNAL_AFTER steps are logged, after a periodic checkpoint exists (its
+# writer process must survive the job-wide signal for the preemption save to complete).
+STEPS, EVERY, SIGNAL_AFTER = 8, 2, 3
 
 
 def _slurm(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
