@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("overrides, key", [
     (["data.tasks=[no_such_task]"], "data.tasks: .*no_such_task"),
-    (["data.task_args={chain_sum: {no_such_arg: 1}}"], "data.tasks: .*chain_sum"),
+    (["data.tasks=[chain_sum]", "data.task_args={chain_sum: {no_such_arg: 1}}"], "data.tasks: .*chain_sum"),
     (["model.path=/no/such/model"], "model.path: /no/such/model is not a folder"),
     (["model.path=builtin:nope"], "model.path: unknown built-in"),
     (["data.source=jsonl", "data.path=/no/such.jsonl"], "data.path: /no/such.jsonl does not exist"),
