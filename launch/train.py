@@ -169,7 +169,13 @@ def run_from_config(argv: list[str]) -> int:
         return 2
     rank, world_size, _ = launcher_env()
     t0 = time.time()
-    rc = run(cfg, rank, world_size)
+    from rhymerl.memory_plan import MemoryPlanError
+
+    try:
+        rc = run(cfg, rank, world_size)
+    except MemoryPlanError as e:
+        print(f"rhymerl: {e}", file=sys.stderr)
+        return 2
     if rank == 0:
         log.info("finished in %.1f s", time.time() - t0)
     return rc

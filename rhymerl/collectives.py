@@ -1,4 +1,7 @@
-"""Object collectives over an explicitly passed process group (no-ops on one process)."""
+"""Object collectives over an explicitly passed process group (no-ops on one process).
+
+Tensors handed to a collective live on the group's device (``rhymerl.devices``).
+"""
 
 from __future__ import annotations
 
@@ -40,7 +43,10 @@ class WorldComm:
         import torch
         import torch.distributed as dist
 
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+        from rhymerl.devices import collective_device
+
+        # NCCL refuses CPU tensors: the flag travels on the group's own device.
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=collective_device(self.group))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 

@@ -84,6 +84,9 @@ class Trainer:
         if self.model_path is None:
             self.model_path = resolve_model(cfg.model)
         self.dp_size = validate(cfg, model_shape(self.model_path), world_size=comm.world_size)
+        from rhymerl.memory_plan import check_run
+
+        check_run(cfg, self.model_path, comm.world_size, groups.device)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.records: list[PromptRecord] = load_records(cfg.data)
@@ -113,6 +116,11 @@ class Trainer:
                                              seed=cfg.run.seed, temperature=temp, train=False)
         self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + comm.rank,
                                     history=self.history, dtype=cfg.model.dtype)
+        from rhymerl.colocation import Colocation
+        from rhymerl.devices import free_memory_probe
+
+        self.colocation = Colocation(self.engine, self.backend, cfg.rollout.sleep_level,
+                                     device_free_bytes=free_memory_probe(groups.device))
         self.rewards = RewardPool(cfg.reward, start_method=cfg.reward.start_method) if comm.rank == 0 else None
         from rhymerl.algorithms import DynamicSamplingBuffer
 
@@ -322,8 +330,12 @@ class Trainer:
         adv = self._advantages(samples)
         self.last_batch_records = [self.records[i] for i in idx]
         if len(samples):
+            self.colocation.before_training()
             metrics.update(self._train(samples, adv))
+            self.colocation.after_training()
             metrics.update(self._reshard())
+            self.colocation.before_rollout()
+            metrics.update(self.colocation.step_metrics())
         lengths = [len(s.token_ids) for s in samples]
         gen_tokens = sum(lengths)
         metrics.update({

@@ -451,16 +451,19 @@ class RolloutEngine:
         return time.perf_counter() - t0
 
     def sleep(self, level: int = 1) -> None:
+        """Release device memory: level 1 offloads the weights to host memory, 2 discards them; both free the KV cache."""
         if self.on_cpu:
             self._warn_once("sleep", "rollout: sleep/wake_up are no-ops on CPU (vLLM's sleep mode is GPU-only)")
             return
         self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Re-allocate device memory: ``["weights"]`` before a weight reload, ``["kv_cache"]`` before
+        generating, None for both."""
         if self.on_cpu:
             self._warn_once("sleep", "rollout: sleep/wake_up are no-ops on CPU (vLLM's sleep mode is GPU-only)")
             return
-        self.llm.wake_up()
+        self.llm.wake_up(tags)
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)
