@@ -29,6 +29,21 @@ TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "bro
 OWN_PACKAGES = ("rhymerl", "launch")
 
 
+_lazy_ready = False
+
+
+def lazy_device() -> torch.device:
+    """PyTorch's ``lazy`` device, started once per process: real data on the CPU, but a device
+    of its own, so that a tensor that was never moved to it is told apart from one that was."""
+    global _lazy_ready
+    if not _lazy_ready:
+        import importlib
+
+        importlib.import_module("torch._lazy.ts_backend").init()
+        _lazy_ready = True
+    return torch.device("lazy")
+
+
 class CollectiveDeviceError(RuntimeError):
     """A collective was handed a tensor on a device its group's backend does not take."""
 

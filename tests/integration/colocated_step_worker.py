@@ -1,8 +1,9 @@
 """One rank of the colocated-step test (started by rhymerl.training.local_launch.run_ranks).
 
 Runs the real driver (``launch.train.run``: trainer, vLLM engine, megatron backend, checkpoints)
-with the collective-device audit installed and gloo declared to take ``lazy`` tensors, so any
-collective handed a tensor that was not put on its group's device fails the run. The calls the
+with the collective-device audit installed and, on CPU, gloo declared to take ``lazy`` tensors, so
+any collective handed a tensor that was not put on its group's device fails the run (on a GPU
+NCCL's CUDA is audited as it is; tests/gpu/smoke.sh runs it there). The calls the
 colocation protocol depends on are recorded in order and written, with the audit's counts, to
 ``OUT/rank<r>.json``.
 
@@ -37,19 +38,20 @@ def _record(cls, name: str, label: str) -> None:
 
 def main() -> int:
     out, config, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    import torch._lazy.ts_backend
-
     from launch.train import run
     from rhymerl import devices
     from rhymerl.checkpoint import CheckpointManager
-    from rhymerl.collective_audit import CollectiveAudit
+    from rhymerl.collective_audit import CollectiveAudit, lazy_device
     from rhymerl.config import load_config
     from rhymerl.rollout.engine import RolloutEngine
     from rhymerl.training.megatron_backend import MegatronBackend
 
-    # A device that is neither the model's (CPU) nor anything a collective would get by accident.
-    torch._lazy.ts_backend.init()
-    devices.declare_backend_device("gloo", "lazy")
+    import torch
+
+    if not torch.cuda.is_available():
+        # On CPU: a device that is neither the model's nor anything a collective gets by accident.
+        # (On a GPU the audit holds NCCL calls to CUDA as they are.)
+        devices.declare_backend_device("gloo", lazy_device())
     audit = CollectiveAudit().install()
     for name, label in (("generate", "rollout"), ("sleep", "engine.sleep"), ("wake_up", "engine.wake_up"),
                         ("load_weights", "engine.load_weights")):
