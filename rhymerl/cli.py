@@ -16,6 +16,7 @@ BENCHES = {
     "rollout": ("bench.rollout", "main", "vLLM rollout: no-spec vs ngram vs suffix vs HistoSpec on epoch 2"),
     "reshard": ("bench.reshard", "main", "Megatron -> vLLM weight transfer: GB/s and peak memory per bucket size"),
     "e2e": ("bench.e2e", "main", "RL step time with HistoSpec+HistoPipe on vs off"),
+    "memory": ("bench.memory", "main", "peak resident memory of one RL step, bytes per parameter by component"),
 }
 SIMULATIONS = {
     "histopipe": ("rhymerl.histopipe.simulator", "main", "cluster simulator: rollout schedulers on N GPUs"),

