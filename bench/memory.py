@@ -114,6 +114,36 @@ def _engine_tensors(worker):
     return weights, kv
 
 
+# Qwen2.5-0.5B's published config.json (the smallest of the paper's model family).
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def write_qwen25_05b_shape(folder: Path) -> Path:
+    """A Qwen2.5-0.5B-shaped model with random weights (seed 0) and the offline test tokenizer
+    (whose smaller vocabulary only addresses part of the embedding)."""
+    import torch
+    import transformers
+
+    from rhymerl.atomic import atomic_folder
+    from rhymerl.models.tokenizer import save_tokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    with atomic_folder(folder) as tmp:
+        save_tokenizer(tmp)
+        tok = transformers.AutoTokenizer.from_pretrained(str(tmp))
+        config = transformers.Qwen2Config(**QWEN25_05B, use_sliding_window=False, eos_token_id=tok.eos_token_id,
+                                          pad_token_id=tok.pad_token_id, bos_token_id=None, torch_dtype="float32")
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(config)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        model.generation_config.save_pretrained(str(tmp))
+        del model
+    return folder
+
+
 def measure(cfg) -> dict:
     from rhymerl.collectives import WorldComm
     from rhymerl.memory_plan import model_params
@@ -167,11 +197,19 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out", default="runs/bench-memory")
+    ap.add_argument("--qwen25-05b-shape", action="store_true",
+                    help="measure a Qwen2.5-0.5B-shaped model with random weights (written once under --out)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = ap.parse_args(argv)
     from rhymerl.config import load_config
 
-    cfg = load_config(args.config, [*args.overrides, f"run.output_dir={args.out}", "run.max_steps=1",
+    extra = []
+    if args.qwen25_05b_shape:
+        model = write_qwen25_05b_shape(Path(args.out) / "qwen2.5-0.5b-shape")
+        # Random weights: HistoSpec has no history worth drafting and the tokenizer does not
+        # cover the vocabulary; the engine generates plainly.
+        extra = [f"model.path={model}", "rollout.speculative=none"]
+    cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}", "run.max_steps=1",
                                     "tracking.wandb=disabled", "checkpoint.every_steps=0"])
     res = measure(cfg)
     if args.json:

@@ -72,3 +72,21 @@ def test_cpu_host_without_a_device_size_is_not_held_to_a_budget(tmp_path):
     cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["memory.device_gb=1"])
     with pytest.raises(MemoryPlanError, match="memory plan does not fit"):
         check_run(cfg, tmp_path, 1, torch.device("cpu"))
+
+
+def test_cpu_kv_cache_is_sized_from_the_step():
+    from rhymerl.config import RolloutConfig
+    from rhymerl.memory_plan import cpu_kv_cache_bytes, kv_bytes_per_token
+
+    layout = ModelLayout.from_hf_config(QWEN25_05B)
+    per_token = kv_bytes_per_token(layout, 4, 1)  # 24 layers x 2 KV heads x 64 x (K, V) x fp32
+    assert per_token == 24 * 2 * 64 * 2 * 4
+    r = RolloutConfig(max_tokens=32, num_speculative_tokens=8, max_num_seqs=64, max_model_len=1024)
+    # 32 sequences of at most 100 + 32 + 8 (+ one block) tokens: far below the old fixed 1 GiB.
+    step = cpu_kv_cache_bytes(layout, r, "float32", 32, 100)
+    assert step == int(32 * (100 + 32 + 8 + 16) * per_token * 1.1)
+    # Never below one max_model_len sequence (vLLM refuses to start), never above max_num_seqs.
+    assert cpu_kv_cache_bytes(layout, r, "float32", 1, 10) == int(1024 * per_token * 1.1)
+    assert cpu_kv_cache_bytes(layout, r, "float32", 10_000, 100) == cpu_kv_cache_bytes(layout, r, "float32", 64, 100)
+    r.tensor_parallel = 2
+    assert cpu_kv_cache_bytes(layout, r, "float32", 32, 100) == pytest.approx(step / 2, rel=1e-6)
