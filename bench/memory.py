@@ -121,10 +121,12 @@ QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
 
 
 def write_qwen25_05b_shape(folder: Path) -> Path:
-    """A Qwen2.5-0.5B-shaped model with random weights (seed 0) and the offline test tokenizer
-    (whose smaller vocabulary only addresses part of the embedding)."""
+    """A Qwen2.5-0.5B-shaped model with random weights (seed 0) and the offline test tokenizer,
+    padded with unused special tokens to the model's vocabulary (the random policy samples ids
+    anywhere in it, and the history store refuses ids outside the tokenizer's)."""
     import torch
     import transformers
+    from tokenizers import AddedToken, Tokenizer
 
     from rhymerl.atomic import atomic_folder
     from rhymerl.models.tokenizer import save_tokenizer
@@ -132,7 +134,10 @@ def write_qwen25_05b_shape(folder: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     with atomic_folder(folder) as tmp:
-        save_tokenizer(tmp)
+        n = save_tokenizer(tmp)
+        tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
+        tok.add_tokens([AddedToken(f"<|unused{i}|>", special=True) for i in range(QWEN25_05B["vocab_size"] - n)])
+        tok.save(str(tmp / "tokenizer.json"))
         tok = transformers.AutoTokenizer.from_pretrained(str(tmp))
         config = transformers.Qwen2Config(**QWEN25_05B, use_sliding_window=False, eos_token_id=tok.eos_token_id,
                                           pad_token_id=tok.pad_token_id, bos_token_id=None, torch_dtype="float32")
