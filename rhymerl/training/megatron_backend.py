@@ -129,6 +129,9 @@ class MegatronBackend:
             raise ValueError(f"model.dtype: {dtype} training with megatron-core needs CUDA (its mixed-precision "
                              "optimizer only wraps torch.cuda tensors); use float32 on CPU hosts "
                              "(inference and export work in any dtype)")
+        if parallel_cfg.recompute_activations and train and groups.device.type != "cuda":
+            raise ValueError("parallel.recompute_activations: megatron-core's recomputation saves and restores the CUDA "
+                             "RNG state (torch.cuda.get_rng_state); set it to false on CPU hosts")
         if parallel_cfg.distributed_optimizer and groups.device.type != "cuda":
             raise ValueError("parallel.distributed_optimizer: megatron-core's distributed optimizer needs CUDA "
                              "tensors; set it to false on CPU hosts")
