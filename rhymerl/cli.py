@@ -17,6 +17,7 @@ BENCHES = {
     "step": ("bench.step", "main", "where an engine step's time goes; the zero-draft tax of speculation"),
     "reshard": ("bench.reshard", "main", "Megatron -> vLLM weight transfer: GB/s and peak memory per bucket size"),
     "e2e": ("bench.e2e", "main", "RL step time with HistoSpec+HistoPipe on vs off, vs ngram and suffix"),
+    "memory": ("bench.memory", "main", "peak resident memory of one RL step, bytes per parameter by component"),
 }
 SIMULATIONS = {
     "histopipe": ("rhymerl.histopipe.simulator", "main", "cluster simulator: rollout schedulers on N GPUs"),

@@ -1,4 +1,7 @@
-"""Object collectives over an explicitly passed process group (no-ops on one process)."""
+"""Object collectives over an explicitly passed process group (no-ops on one process).
+
+Tensors handed to a collective live on the group's device (``rhymerl.devices``).
+"""
 
 from __future__ import annotations
 
@@ -37,15 +40,23 @@ class WorldComm:
     def any_true(self, flag: bool) -> bool:
         if not self.is_distributed:
             return flag
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item())
+        return bool(all_reduce_max(1 if flag else 0, self.group))
 
     def barrier(self) -> None:
         if self.is_distributed:
             import torch.distributed as dist
 
             dist.barrier(group=self.group)
+
+
+def all_reduce_max(value: int, group: Optional[Any] = None) -> int:
+    """The largest ``value`` over ``group`` (a tensor all-reduce, also on a one-rank group)."""
+    import torch
+    import torch.distributed as dist
+
+    from rhymerl.devices import collective_device
+
+    # NCCL refuses CPU tensors: the value travels on the group's own device.
+    t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())

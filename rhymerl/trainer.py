@@ -86,6 +86,9 @@ class Trainer:
             self.model_path = resolve_model(cfg.model)
         self.dp_size = validate(cfg, model_shape(self.model_path), world_size=comm.world_size)
         check_model_use(self.model_path, cfg.parallel.backend, cfg.data.chat_template)
+        from rhymerl.memory_plan import check_run
+
+        check_run(cfg, self.model_path, comm.world_size, groups.device)
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self.records: list[PromptRecord] = load_records(cfg.data)
@@ -98,7 +101,11 @@ class Trainer:
 
         self.history = HistoryStore(cfg.histospec, vocab_size=len(self.tokenizer))
         self.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
-        self.num_instances = comm.world_size
+        # One rollout instance per rollout.tensor_parallel consecutive ranks (one vLLM engine
+        # across them); every rank of an instance runs the same requests.
+        rtp = cfg.rollout.tensor_parallel
+        self.num_instances = comm.world_size // rtp
+        self.instance, self.engine_rank = divmod(comm.rank, rtp)
         if cfg.histopipe.enabled:
             self.planner = HistoPipePlanner(cfg.histopipe, self.num_instances, cfg.rollout.max_num_seqs)
         else:
@@ -118,8 +125,15 @@ class Trainer:
             # A frozen copy of the initial policy (no optimizer): its log-probs are the KL reference.
             self.ref_backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype,
                                              seed=cfg.run.seed, temperature=temp, train=False)
-        self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + comm.rank,
-                                    history=self.history, dtype=cfg.model.dtype)
+        self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + self.instance,
+                                    history=self.history, dtype=cfg.model.dtype,
+                                    cpu_kv_cache_bytes=self._cpu_kv_cache_bytes(),
+                                    distributed=rtp > 1, tensor_parallel_size=rtp if rtp > 1 else None)
+        from rhymerl.colocation import Colocation
+        from rhymerl.devices import free_memory_probe
+
+        self.colocation = Colocation(self.engine, self.backend, cfg.rollout.sleep_level,
+                                     device_free_bytes=free_memory_probe(groups.device))
         self.rewards = self._start_rewards(RewardPool)
         from rhymerl.algorithms import DynamicSamplingBuffer
 
@@ -144,6 +158,18 @@ class Trainer:
         if err is not None:
             raise RewardSetupError(err)
         return pool
+
+    def _cpu_kv_cache_bytes(self) -> int:
+        """What a CPU engine's KV cache needs for one step of this run (its memory is resident)."""
+        import json
+
+        from rhymerl.memory_plan import cpu_kv_cache_bytes
+        from rhymerl.resharding.layout import ModelLayout
+
+        layout = ModelLayout.from_hf_config(json.loads((Path(self.model_path) / "config.json").read_text()))
+        cfg = self.cfg
+        return cpu_kv_cache_bytes(layout, cfg.rollout, cfg.model.dtype, cfg.data.prompts_per_step * cfg.rollout.n,
+                                  max(len(p) for p in self.prompt_ids))
 
     # ------------------------------------------------------------------ state
 
@@ -183,7 +209,8 @@ class Trainer:
         from rhymerl.rollout import SamplingSpec
 
         cfg = self.cfg
-        if cfg.histopipe.enabled and cfg.histopipe.live:
+        # The live driver runs one engine per rank; a TP engine spans ranks and is dispatched per call.
+        if cfg.histopipe.enabled and cfg.histopipe.live and cfg.rollout.tensor_parallel == 1:
             from rhymerl.histopipe.live import trainer_rollout
 
             return trainer_rollout(self, batch_indices, epoch, round_)
@@ -194,17 +221,18 @@ class Trainer:
         plan = self.planner.plan(self.step, groups, self.predictor, history_lengths)
         t_plan = time.perf_counter() - t0
 
-        mine = plan.instances[self.comm.rank]
+        mine = plan.instances[self.instance]
         prompts = [self.prompt_ids[batch_indices[g]] for g, _ in mine]
         # Request j of this instance samples with seed base + j: a resumed step replays exactly.
         spec = SamplingSpec(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                             max_tokens=cfg.rollout.max_tokens,
-                            seed=request_seed(cfg.run.seed, self.step, self.comm.rank, round_))
+                            seed=request_seed(cfg.run.seed, self.step, self.instance, round_))
         t1 = time.perf_counter()
         # Siblings of a group share a group id, so HistoSpec can draft from in-flight siblings.
+        # Engines in vLLM's lock-step (several TP instances) step even without requests.
         gid = f"{self.step}:" if round_ == 0 else f"{self.step}.{round_}:"
         results = self.engine.generate(prompts, 1, spec, group_ids=[f"{gid}{g}" for g, _ in mine], epoch=epoch,
-                                       record_history=False) if prompts else []
+                                       record_history=False) if prompts or self.engine.lockstep else []
         t_gen = time.perf_counter() - t1
         local = []
         for (g, s), res in zip(mine, results):
@@ -214,7 +242,9 @@ class Trainer:
                                 text=self.tokenizer.decode(r.token_ids, skip_special_tokens=True)))
         # metrics() describes the engine's last generate() call: an idle instance reports nothing.
         engine_metrics = self.engine.metrics() if prompts else {}
-        gathered = self.comm.all_gather_object((local, engine_metrics, t_gen))
+        # Every rank of a TP engine holds the same responses: its first rank speaks for it.
+        mine_out = (local, engine_metrics, t_gen) if self.engine_rank == 0 else None
+        gathered = [g for g in self.comm.all_gather_object(mine_out) if g is not None]
         samples = sorted((s for part, _, _ in gathered for s in part), key=lambda s: (s.group, s.sample_idx))
         per_instance_s = [t for _, _, t in gathered]
 
@@ -373,8 +403,12 @@ class Trainer:
         adv = self._advantages(samples)
         self.last_batch_records = [self.records[i] for i in idx]
         if len(samples):
+            self.colocation.before_training()
             metrics.update(self._train(samples, adv))
+            self.colocation.after_training()
             metrics.update(self._reshard())
+            self.colocation.before_rollout()
+            metrics.update(self.colocation.step_metrics())
         lengths = [len(s.token_ids) for s in samples]
         gen_tokens = metrics.get("rollout/generated_tokens", sum(lengths))
         metrics.update({

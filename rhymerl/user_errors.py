@@ -14,6 +14,7 @@ from typing import Optional
 # (exception class, by "module.QualName" so that classifying imports nothing) -> (exit code, kind).
 USER_ERRORS: dict[str, tuple[int, str]] = {
     "rhymerl.config.ConfigError": (2, "config"),
+    "rhymerl.memory_plan.MemoryPlanError": (2, "memory plan"),
     "rhymerl.data.records.DatasetError": (3, "data"),
     "rhymerl.models.registry.ModelError": (4, "model"),
     "rhymerl.resharding.layout.LayoutError": (4, "model"),

@@ -48,9 +48,10 @@ def _owned(t: torch.Tensor, base: torch.Tensor) -> int:
 def _gather_tp(local: torch.Tensor, groups) -> list[torch.Tensor]:
     if groups is None or groups.tp_size == 1:
         return [local]
-    parts = [torch.empty_like(local) for _ in range(groups.tp_size)]
-    dist.all_gather(parts, local.contiguous(), group=groups.tp)
-    return parts
+    sent = local.to(groups.collective_device(groups.tp)).contiguous()
+    parts = [torch.empty_like(sent) for _ in range(groups.tp_size)]
+    dist.all_gather(parts, sent, group=groups.tp)
+    return [p.to(local.device) for p in parts]
 
 
 def export_hf_buckets(module: torch.nn.Module, layout: ModelLayout, groups, bucket_bytes: int,
@@ -112,6 +113,9 @@ def _one_param(spec: ParamSpec, params: dict, layout: ModelLayout, groups, tp: i
               for n, s in zip(spec.hf_names, spec.hf_shapes(layout))]
     if pp > 1:
         src = groups.pp_global_rank(spec.stage)
-        for _, t in hf:
+        dev = groups.collective_device(groups.pp)
+        moved = [(n, t.to(dev).contiguous()) for n, t in hf]
+        for _, t in moved:
             dist.broadcast(t, src=src, group=groups.pp)
+        hf = [(n, t.to(groups.device)) for n, t in moved]
     return hf

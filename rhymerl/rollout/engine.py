@@ -32,6 +32,8 @@ from rhymerl.config import HistoSpecConfig, RolloutConfig
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+# KV cache of a CPU engine whose caller neither sets rollout.cpu_kv_cache_gb nor sizes it.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
 HISTOSPEC_CLASS = "rhymerl.histospec.vllm_proposer.HistoSpecProposer"
 # vLLM's prompt-lookup window for the ngram baseline (the values of vLLM's docs examples).
 NGRAM_MIN, NGRAM_MAX = 2, 5
@@ -165,6 +167,24 @@ def _retie_embeddings(worker: Any) -> bool:
     return True
 
 
+def _share_drafts_over_tp(worker: Any) -> bool:
+    """Every TP rank's drafter proposes (its state advances), then takes TP rank 0's drafts."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    drafter = getattr(_runner_of(worker), "drafter", None)
+    tp = get_tp_group()
+    if drafter is None or tp.world_size == 1:
+        return False
+    inner = drafter.propose
+
+    def propose(*args: Any, **kwargs: Any):
+        out = inner(*args, **kwargs)
+        return tp.broadcast_object(out if tp.rank_in_group == 0 else None, src=0)
+
+    drafter.propose = propose
+    return True
+
+
 def _drafter_of(worker: Any) -> Any:
     return getattr(_runner_of(worker), "drafter", None)
 
@@ -182,7 +202,7 @@ class RolloutEngine:
 
     def __init__(self, cfg: RolloutConfig, histospec_cfg: HistoSpecConfig, model_path: Path, seed: int,
                  history: Any = None, dtype: str = "float32", distributed: bool = False,
-                 tensor_parallel_size: Optional[int] = None):
+                 tensor_parallel_size: Optional[int] = None, cpu_kv_cache_bytes: Optional[int] = None):
         t0 = time.perf_counter()
         self.cfg = cfg
         self.histospec_cfg = histospec_cfg
@@ -250,7 +270,9 @@ class RolloutEngine:
             logprobs_mode="processed_logprobs",
         )
         if self.on_cpu:
-            kwargs["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gb * GiB)
+            # rollout.cpu_kv_cache_gb when set; else the caller's sizing of the run's need.
+            kv = cfg.cpu_kv_cache_gb * GiB if cfg.cpu_kv_cache_gb else (cpu_kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+            kwargs["kv_cache_memory_bytes"] = int(kv)
             # A partially prefilled seeded request makes vLLM 0.32 rewind its generator with
             # Generator.set_offset, which CPU generators lack ("CPU Generator does not use
             # offset"): prefill whole prompts on CPU so that path is never taken.
@@ -259,10 +281,21 @@ class RolloutEngine:
         else:
             kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
             kwargs["enable_sleep_mode"] = True
+        # vLLM steps the instances of an external-launcher world in lock-step (data parallel).
+        self.lockstep = False
         if distributed:
-            # One engine per torchrun/srun rank, colocated with that rank's training shard.
+            # One engine across tensor_parallel_size consecutive torchrun/srun ranks, colocated
+            # with their training shards; vLLM's world is the whole torch world, so the other
+            # engines are its data-parallel ranks.
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            tp = tensor_parallel_size or world
+            if world % tp:
+                raise RolloutError(f"rollout.tensor_parallel={tp} does not divide the world size {world}")
             kwargs["distributed_executor_backend"] = "external_launcher"
-            kwargs["tensor_parallel_size"] = tensor_parallel_size or int(os.environ.get("WORLD_SIZE", "1"))
+            kwargs["tensor_parallel_size"] = tp
+            if world > tp:
+                kwargs["data_parallel_size"] = world // tp
+                self.lockstep = True
         elif tensor_parallel_size:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
         self.llm = LLM(**kwargs)
@@ -270,6 +303,10 @@ class RolloutEngine:
         self._engine = self.llm.llm_engine
         self._meter: Optional[_DrafterMeter] = None
         if spec is not None:
+            if distributed:
+                # Each TP rank runs its own scheduler and drafter; drafts that differ (timing-based
+                # draft lengths) would desynchronise the ranks: the first rank's drafts are used.
+                self.llm.collective_rpc(_share_drafts_over_tp)
             self._meter = self.llm.collective_rpc(_install_meter)[0]
         self._core = None
         if self.method == "histospec":
@@ -491,16 +528,19 @@ class RolloutEngine:
         return time.perf_counter() - t0
 
     def sleep(self, level: int = 1) -> None:
+        """Release device memory: level 1 offloads the weights to host memory, 2 discards them; both free the KV cache."""
         if self.on_cpu:
             self._warn_once("sleep", "rollout: sleep/wake_up are no-ops on CPU (vLLM's sleep mode is GPU-only)")
             return
         self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Re-allocate device memory: ``["weights"]`` before a weight reload, ``["kv_cache"]`` before
+        generating, None for both."""
         if self.on_cpu:
             self._warn_once("sleep", "rollout: sleep/wake_up are no-ops on CPU (vLLM's sleep mode is GPU-only)")
             return
-        self.llm.wake_up()
+        self.llm.wake_up(tags)
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)

@@ -97,8 +97,9 @@ class DeepSpeedBackend:
         g = self.groups
         parts = [local]
         if g.dp_size > 1:
+            local = local.to(g.collective_device(g.dp)).contiguous()
             parts = [torch.empty_like(local) for _ in range(g.dp_size)]
-            dist.all_gather(parts, local.contiguous(), group=g.dp)
+            dist.all_gather(parts, local, group=g.dp)
         return torch.cat([p.cpu()[:rows_per_rank] for p in parts], dim=0)
 
     def compute_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

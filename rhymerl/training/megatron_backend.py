@@ -65,10 +65,15 @@ class SafetensorsReader:
         return self._files[self._where[name]].get_tensor(name)
 
 
-def transformer_config(layout: ModelLayout, tp: int, pp: int, dtype: torch.dtype):
+def transformer_config(layout: ModelLayout, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    # Full recomputation, one layer per checkpoint: backward keeps only each layer's input
+    # (rhymerl.memory_plan counts activations the same way).
+    recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+        if recompute else {}
     return TransformerConfig(
+        **recompute_kw,
         num_layers=layout.num_layers, hidden_size=layout.hidden_size, num_attention_heads=layout.num_heads,
         num_query_groups=layout.num_kv_heads, kv_channels=layout.head_dim, ffn_hidden_size=layout.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=layout.rms_norm_eps, gated_linear_unit=True,
@@ -126,6 +131,9 @@ class MegatronBackend:
             raise ValueError(f"model.dtype: {dtype} training with megatron-core needs CUDA (its mixed-precision "
                              "optimizer only wraps torch.cuda tensors); use float32 on CPU hosts "
                              "(inference and export work in any dtype)")
+        if parallel_cfg.recompute_activations and train and groups.device.type != "cuda":
+            raise ValueError("parallel.recompute_activations: megatron-core's recomputation saves and restores the CUDA "
+                             "RNG state (torch.cuda.get_rng_state); set it to false on CPU hosts")
         if parallel_cfg.distributed_optimizer and groups.device.type != "cuda":
             raise ValueError("parallel.distributed_optimizer: megatron-core's distributed optimizer needs CUDA "
                              "tensors; set it to false on CPU hosts")
@@ -141,7 +149,8 @@ class MegatronBackend:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
 
-        self.config = transformer_config(self.layout, groups.tp_size, groups.pp_size, self.dtype)
+        self.config = transformer_config(self.layout, groups.tp_size, groups.pp_size, self.dtype,
+                                         recompute=parallel_cfg.recompute_activations and train)
         model = GPTModel(
             config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
             vocab_size=self.layout.vocab_size, max_sequence_length=self.layout.max_position_embeddings,
@@ -237,6 +246,7 @@ class MegatronBackend:
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         g = self.groups
         if g.pp_size > 1:
+            t = t.to(g.collective_device(g.pp))
             dist.broadcast(t, src=g.pp_global_rank(g.pp_size - 1), group=g.pp)
         return t
 
@@ -257,14 +267,15 @@ class MegatronBackend:
         local = torch.zeros(plan.rows_per_micro * plan.num_micro, T, dtype=torch.float32)
         if g.is_last_stage:
             local = torch.cat([o["logprobs"] for o in out], dim=0)
-        full = unpermute_rows(self._gather_dp(self._broadcast_from_last_stage(local.to(g.device)), plan), perm)
+        full = unpermute_rows(self._gather_dp(self._broadcast_from_last_stage(local), plan), perm)
         return full[:B] * response_mask.to(full.dtype)
 
     def _gather_dp(self, local: torch.Tensor, plan) -> torch.Tensor:
         g = self.groups
         if g.dp_size > 1:
+            local = local.to(g.collective_device(g.dp)).contiguous()
             parts = [torch.empty_like(local) for _ in range(g.dp_size)]
-            dist.all_gather(parts, local.contiguous(), group=g.dp)
+            dist.all_gather(parts, local, group=g.dp)
         else:
             parts = [local]
         return torch.cat([p.cpu()[: plan.rows_per_rank] for p in parts], dim=0)
@@ -345,6 +356,27 @@ class MegatronBackend:
         extra["update_successful"] = bool(ok)
         return StepMetrics(loss=float(loss), grad_norm=float(grad_norm or 0.0),
                            lr=float(self.optimizer.param_groups[0]["lr"]), extra=extra)
+
+    # ------------------------------------------------------------------ colocation
+
+    def offload_training_state(self) -> None:
+        """Free what the rollout does not need. Gradient buffers are released (every step zeroes
+        them first, so nothing is lost); on CUDA the optimizer state moves to host memory
+        (megatron's own RL offload)."""
+        if self.optimizer is None:
+            return
+        cuda = self.groups.device.type == "cuda"
+        self.model.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
+        if cuda:
+            self.optimizer.offload_to_cpu()
+
+    def onload_training_state(self) -> None:
+        if self.optimizer is None:
+            return
+        cuda = self.groups.device.type == "cuda"
+        self.model.restore_grad_buffers(synchronize=cuda)
+        if cuda:
+            self.optimizer.restore_from_cpu()
 
     # ------------------------------------------------------------------ weights out
 

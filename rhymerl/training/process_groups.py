@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rhymerl.config import ParallelConfig
+from rhymerl.devices import collective_device, compute_device
 
 
 @dataclass
@@ -44,6 +45,10 @@ class ProcessGroups:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    def collective_device(self, group: Any) -> torch.device:
+        """The device ``group``'s collectives take (``device`` is where the model computes)."""
+        return collective_device(group)
 
     def pp_global_rank(self, stage: int) -> int:
         return dist.get_process_group_ranks(self.pp)[stage]
@@ -96,7 +101,7 @@ def init_process_groups(parallel_cfg: ParallelConfig, world_size: int, rank: int
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise ValueError(f"torch.distributed already runs with world {dist.get_world_size()} rank {dist.get_rank()}, "
                          f"not {world_size}/{rank}")
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = compute_device(backend)
     if parallel_cfg.backend == "deepspeed":
         # ZeRO is data parallel only: no megatron groups (and no megatron import).
         if tp != 1 or pp != 1:

@@ -1,0 +1,231 @@
+"""Peak resident memory of one colocated RL step, per model parameter and by component.
+
+`python -m rhymerl bench memory [--config configs/tiny-cpu.yaml] [--json] [key=value ...]`
+
+Builds the run's trainer (training backend + rollout engine in this process, as every rank
+holds them), runs one RL step and reports, in bytes per model parameter:
+
+- the process's peak resident set (``VmHWM``) and the peak of each phase (sampled every 5 ms);
+- the tensors each component holds, counted exactly: training weights, gradient buffers,
+  optimizer state, engine weights, engine KV cache;
+- activations/logits: the training phase's peak above the resident set at its start;
+- other: the peak minus all of the above (Python, torch/vLLM runtime, tokenizer, data,
+  allocator slack, oneDNN's packed copies of the engine weights).
+
+Reward workers are separate processes and are not counted (``reward.workers=0`` scores in-process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class PhasePeaks:
+    """Samples the resident set in a thread; the peak of each named phase."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.phase = "start"
+        self.peaks: dict[str, int] = {}
+        self.at_start: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, args=(interval_s,), daemon=True)
+        self._t.start()
+
+    def _loop(self, dt: float) -> None:
+        while not self._stop.is_set():
+            self._note()
+            time.sleep(dt)
+
+    def _note(self) -> None:
+        r = _rss()
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), r)
+
+    def enter(self, phase: str) -> None:
+        self._note()
+        self.phase = phase
+        self.at_start[phase] = _rss()
+        self._note()
+
+    def stop(self) -> None:
+        self._note()
+        self._stop.set()
+        self._t.join()
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _training_bytes(backend) -> dict[str, int]:
+    import torch
+
+    weights = _nbytes(p for p in backend.module.parameters())
+    grads = 0
+    for buf in getattr(backend.model, "buffers", []) or []:
+        g = getattr(buf, "grad_data", None)
+        if isinstance(g, torch.Tensor):
+            grads += g.numel() * g.element_size()
+    if not grads:
+        grads = _nbytes(p.grad for p in backend.module.parameters() if p.grad is not None)
+    opt = backend.optimizer
+    inner = [getattr(o, "optimizer", o) for o in getattr(opt, "chained_optimizers", [opt])] if opt is not None else []
+    state = 0
+    for o in inner:
+        for s in getattr(o, "state", {}).values():
+            state += _nbytes(v for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return {"training_weights": weights, "training_grads": grads, "optimizer_state": state}
+
+
+def _engine_tensors(worker):
+    """(weight bytes, KV cache bytes) of the engine's model runner."""
+    import torch
+
+    runner = getattr(worker, "worker", worker).model_runner
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv = 0
+    seen = set()
+    caches = getattr(runner, "kv_caches", None) or []
+    for c in caches:
+        for t in (c if isinstance(c, (list, tuple)) else [c]):
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in seen:
+                    seen.add(ptr)
+                    kv += t.untyped_storage().nbytes()
+    return weights, kv
+
+
+# Qwen2.5-0.5B's published config.json (the smallest of the paper's model family).
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6)
+
+
+def write_qwen25_05b_shape(folder: Path) -> Path:
+    """A Qwen2.5-0.5B-shaped model with random weights (seed 0) and the offline test tokenizer,
+    padded with unused special tokens to the model's vocabulary (the random policy samples ids
+    anywhere in it, and the history store refuses ids outside the tokenizer's)."""
+    import torch
+    import transformers
+    from tokenizers import AddedToken, Tokenizer
+
+    from rhymerl.atomic import atomic_folder
+    from rhymerl.models.tokenizer import save_tokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    with atomic_folder(folder) as tmp:
+        n = save_tokenizer(tmp)
+        tok = Tokenizer.from_file(str(tmp / "tokenizer.json"))
+        tok.add_tokens([AddedToken(f"<|unused{i}|>", special=True) for i in range(QWEN25_05B["vocab_size"] - n)])
+        tok.save(str(tmp / "tokenizer.json"))
+        tok = transformers.AutoTokenizer.from_pretrained(str(tmp))
+        config = transformers.Qwen2Config(**QWEN25_05B, use_sliding_window=False, eos_token_id=tok.eos_token_id,
+                                          pad_token_id=tok.pad_token_id, bos_token_id=None, torch_dtype="float32")
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(config)
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        model.generation_config.save_pretrained(str(tmp))
+        del model
+    return folder
+
+
+def measure(cfg) -> dict:
+    from rhymerl.collectives import WorldComm
+    from rhymerl.memory_plan import model_params
+    from rhymerl.resharding.layout import ModelLayout
+    from rhymerl.trainer import Trainer
+    from rhymerl.training.process_groups import init_process_groups
+
+    peaks = PhasePeaks()
+    groups = init_process_groups(cfg.parallel, 1, 0)
+    peaks.enter("build")
+    trainer = Trainer(cfg, WorldComm(), groups)
+    try:
+        layout = ModelLayout.from_hf_config(json.loads((Path(trainer.model_path) / "config.json").read_text()))
+        n = model_params(layout)
+        built = _rss()
+        # Phase peaks of the step: the trainer's own phases, marked from its methods.
+        for name in ("_rollout", "_train", "_reshard"):
+            real = getattr(trainer, name)
+
+            def marked(*a, _real=real, _name=name.strip("_"), **k):
+                peaks.enter(_name)
+                try:
+                    return _real(*a, **k)
+                finally:
+                    peaks.enter("between")
+            setattr(trainer, name, marked)
+        out = trainer.train_step()
+        peaks.stop()
+        comp = _training_bytes(trainer.backend)
+        ew, kv = trainer.engine.llm.collective_rpc(_engine_tensors)[0]
+        comp.update({"engine_weights": ew, "engine_kv_cache": kv})
+        train_peak = peaks.peaks.get("train", 0)
+        comp["activations_logits"] = max(train_peak - peaks.at_start.get("train", train_peak), 0)
+        peak = _hwm()
+        comp["other"] = peak - sum(comp.values())
+        per = lambda b: round(b / n, 2)  # noqa: E731
+        return {
+            "config": cfg.run.name, "model_params": n, "peak_rss_bytes": peak, "peak_bytes_per_param": per(peak),
+            "bytes_per_param": {k: per(v) for k, v in comp.items()},
+            "phase_peak_bytes_per_param": {k: per(v) for k, v in peaks.peaks.items()},
+            "rss_after_build_bytes_per_param": per(built),
+            "step_s": out.metrics.get("time/step_s"), "logprob_max_abs": out.metrics.get("train/logprob_max_abs"),
+            "rollout_tokens": sum(len(s.token_ids) for s in out.samples),
+        }
+    finally:
+        trainer.close()
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="rhymerl bench memory", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/tiny-cpu.yaml")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out", default="runs/bench-memory")
+    ap.add_argument("--qwen25-05b-shape", action="store_true",
+                    help="measure a Qwen2.5-0.5B-shaped model with random weights (written once under --out)")
+    ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
+    args = ap.parse_args(argv)
+    from rhymerl.config import load_config
+
+    extra = []
+    if args.qwen25_05b_shape:
+        model = write_qwen25_05b_shape(Path(args.out) / "qwen2.5-0.5b-shape")
+        # Random weights: HistoSpec has no history worth drafting and the tokenizer does not
+        # cover the vocabulary; the engine generates plainly.
+        extra = [f"model.path={model}", "rollout.speculative=none"]
+    cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}", "run.max_steps=1",
+                                    "tracking.wandb=disabled", "checkpoint.every_steps=0"])
+    res = measure(cfg)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"peak resident memory {res['peak_rss_bytes'] / 1e9:.2f} GB for {res['model_params'] / 1e6:.1f}M "
+              f"parameters: {res['peak_bytes_per_param']} bytes/param")
+        for k, v in res["bytes_per_param"].items():
+            print(f"  {k:20s} {v:8.2f} B/param")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

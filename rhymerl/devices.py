@@ -1,0 +1,75 @@
+"""The one place that knows devices: where a rank computes, and where each process group's
+collectives take their tensors.
+
+NCCL takes CUDA tensors only and gloo CPU tensors (PyTorch refuses anything else with "No
+backend type associated with device type ..."), so every tensor handed to a collective goes
+through ``collective_device(group)`` first; on a GPU rank with NCCL and on a CPU rank with gloo
+the move is a no-op. ``declare_backend_device`` overrides what a backend takes (gloo also takes
+CUDA tensors for some collectives; tests declare another device to prove that every collective
+asks this module instead of assuming).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+# The device type each torch.distributed backend's collectives take.
+BACKEND_DEVICE_TYPES = {"nccl": "cuda", "gloo": "cpu", "mpi": "cpu", "ucc": "cpu"}
+
+_declared: dict[str, torch.device] = {}
+
+
+def declare_backend_device(backend: str, device: Optional[Any]) -> None:
+    """Make ``backend``'s collectives take tensors on ``device`` (None: back to the default)."""
+    if device is None:
+        _declared.pop(backend, None)
+    else:
+        _declared[backend] = torch.device(device)
+
+
+def native_backend_device(backend: str) -> torch.device:
+    """The device ``backend`` takes without any declaration (CUDA: this rank's current device)."""
+    kind = BACKEND_DEVICE_TYPES.get(backend)
+    if kind is None:
+        raise ValueError(f"unknown torch.distributed backend {backend!r}; known: {', '.join(BACKEND_DEVICE_TYPES)}")
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def backend_device(backend: str) -> torch.device:
+    return _declared.get(backend) or native_backend_device(backend)
+
+
+def compute_device(backend: str) -> torch.device:
+    """Where a rank whose world runs ``backend`` keeps its model: the GPU with NCCL, else the CPU."""
+    return native_backend_device(backend) if backend == "nccl" else torch.device("cpu")
+
+
+def group_backend(group: Any = None) -> str:
+    import torch.distributed as dist
+
+    return str(dist.get_backend(group))
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device ``group``'s collectives take (``None``: the default group; CPU without torch.distributed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    return backend_device(group_backend(group))
+
+
+def to_collective(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """``t`` on ``group``'s collective device, contiguous (collectives need both)."""
+    return t.to(collective_device(group)).contiguous()
+
+
+def free_memory_probe(device: torch.device):
+    """A function returning the device's free bytes (CUDA), or None where there is no such figure."""
+    if device.type != "cuda":
+        return None
+    return lambda: int(torch.cuda.mem_get_info(device)[0])

@@ -1,0 +1,68 @@
+"""The colocation protocol's per-step calls and metrics (rhymerl.colocation)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rhymerl.colocation import Colocation
+
+pytestmark = pytest.mark.cpu
+
+
+class Recorder:
+    """Engine and backend in one: records the calls the protocol makes."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def sleep(self, level):
+        self.calls.append(f"sleep{level}")
+
+    def wake_up(self, tags=None):
+        self.calls.append("wake:" + ",".join(tags or ["all"]))
+
+    def offload_training_state(self):
+        self.calls.append("offload")
+
+    def onload_training_state(self):
+        self.calls.append("onload")
+
+
+def _steps(c: Colocation, n: int) -> list[dict]:
+    out = []
+    for _ in range(n):
+        c.before_training()
+        c.after_training()
+        c.before_rollout()
+        out.append(c.step_metrics())
+    return out
+
+
+def test_sleep_offload_wake_order_over_steps():
+    r = Recorder()
+    m = _steps(Colocation(r, r, sleep_level=2), 2)
+    assert r.calls == ["sleep2", "offload", "wake:weights", "wake:kv_cache",
+                       "sleep2", "onload", "offload", "wake:weights", "wake:kv_cache"]
+    assert m[0]["colocation/engine_sleep_calls"] == 1 and m[0]["colocation/trainer_onload_calls"] == 0
+    assert m[1]["colocation/trainer_onload_calls"] == 1 and m[1]["colocation/engine_wake_kv_calls"] == 1
+    assert all(v >= 0 for v in m[1].values())
+
+
+def test_level_zero_keeps_the_engine_resident_and_metrics_keep_their_keys():
+    r = Recorder()
+    m = _steps(Colocation(r, r, sleep_level=0), 1)
+    assert r.calls == ["offload"]
+    assert m[0]["colocation/engine_sleep_calls"] == 0 and "colocation/engine_wake_kv_s" in m[0]
+
+
+def test_device_memory_released_is_reported_per_call():
+    free = iter([10, 30, 30, 25, 25, 20, 20, 10])  # before/after of each call, in bytes
+    r = Recorder()
+    c = Colocation(r, r, sleep_level=1, device_free_bytes=lambda: next(free) * 1e9)
+    m = _steps(c, 1)[0]
+    assert m["colocation/engine_sleep_freed_gb"] == 20 and m["colocation/engine_wake_kv_freed_gb"] == -10
+
+
+def test_bad_level_is_refused():
+    with pytest.raises(ValueError, match="rollout.sleep_level"):
+        Colocation(Recorder(), Recorder(), sleep_level=3)

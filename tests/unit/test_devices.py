@@ -1,0 +1,60 @@
+"""Collectives take tensors on their group's device (rhymerl.devices, rhymerl.collective_audit).
+
+A one-rank gloo world is declared to take ``lazy`` tensors: a collective handed a CPU tensor
+(what an NCCL group would refuse) is caught; one built through ``rhymerl.devices`` passes and
+still computes the right result (bridged to gloo's CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rhymerl import devices
+from rhymerl.collective_audit import CollectiveAudit, CollectiveDeviceError, lazy_device
+from rhymerl.collectives import all_reduce_max
+
+pytestmark = pytest.mark.cpu
+
+
+@pytest.fixture
+def lazy_gloo(tmp_path):
+    if dist.is_initialized():
+        pytest.skip("torch.distributed already runs in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    devices.declare_backend_device("gloo", lazy_device())
+    audit = CollectiveAudit(own_packages=("rhymerl", __name__)).install()
+    try:
+        yield audit
+    finally:
+        audit.uninstall()
+        devices.declare_backend_device("gloo", None)
+        dist.destroy_process_group()
+
+
+def test_collectives_module_puts_its_tensor_on_the_group_device(lazy_gloo):
+    assert devices.collective_device() == torch.device("lazy")
+    assert all_reduce_max(3) == 3
+    assert lazy_gloo.summary() == {"checked": {"all_reduce/own": 1}, "bridged": 1}
+
+
+def test_a_tensor_on_another_device_is_refused_with_its_call_site(lazy_gloo):
+    with pytest.raises(CollectiveDeviceError, match=r"all_reduce\(tensor=...\) from .*test_devices.py.*tensor on cpu, "
+                                                    r"but the group's gloo backend takes lazy"):
+        dist.all_reduce(torch.ones(1))
+    parts = [torch.empty(2, device="lazy")]
+    dist.all_gather(parts, devices.to_collective(torch.tensor([1.0, 2.0])))
+    assert parts[0].cpu().tolist() == [1.0, 2.0]
+
+
+def test_backend_devices():
+    assert devices.compute_device("gloo") == torch.device("cpu")
+    assert devices.backend_device("gloo") == torch.device("cpu")
+    devices.declare_backend_device("nccl", "cpu")
+    try:
+        assert devices.backend_device("nccl") == torch.device("cpu")
+    finally:
+        devices.declare_backend_device("nccl", None)
+    with pytest.raises(ValueError, match="unknown torch.distributed backend"):
+        devices.backend_device("carrier-pigeon")
