@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from rhymerl.collectives import WorldComm
+from rhymerl.colocation import Colocation
 from rhymerl.config import load_config
 from rhymerl.data import EpochSampler, PromptRecord
 from rhymerl.histopipe import LengthPredictor, NoopPlanner
@@ -24,6 +25,8 @@ pytestmark = pytest.mark.cpu
 
 class ScriptedEngine:
     """Responses derived from the request seed; lengths alternate within a call (1, 2, 1, ...)."""
+
+    lockstep = False  # one engine per rank: an idle instance is not stepped
 
     def __init__(self):
         self.calls: list[dict] = []
@@ -67,6 +70,7 @@ def make_trainer(answers: list[str], *overrides: str, rank: int = 0, instances: 
                              "histopipe.live=false", *overrides])
     t = Trainer.__new__(Trainer)
     t.cfg, t.comm, t.step, t.last_batch_records = cfg, WorldComm(rank=rank, world_size=1), 0, []
+    t.instance, t.engine_rank = rank, 0  # one engine per rank (rollout TP 1)
     t.records = [PromptRecord(id=f"p{i}", prompt=f"q{i}", answer=a) for i, a in enumerate(answers)]
     t.prompt_ids = [[1, 2, 100 + i] for i in range(len(answers))]
     t.prompt_keys = [prompt_key(p) for p in t.prompt_ids]
@@ -84,6 +88,7 @@ def make_trainer(answers: list[str], *overrides: str, rank: int = 0, instances: 
     t.trained = []
     t._train = lambda samples, adv: t.trained.append((samples, adv)) or {"time/train_s": 0.0}
     t._reshard = lambda: {}
+    t.colocation = Colocation(t.engine, None, sleep_level=0)  # no sleep/wake, no offload: nothing to release
     return t
 
 
