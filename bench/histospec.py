@@ -39,6 +39,7 @@ from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
 from rhymerl.histospec.acceptance import accepted_prefix, accepted_tree_path
 from rhymerl.histospec.baselines import NgramDrafter, SuffixDecodingDrafter
+from rhymerl.histospec.proposer import SOURCES
 from rhymerl.histospec.synthetic import synthetic_trace
 from rhymerl.traces import TraceRecord, by_epoch, read_trace
 
@@ -129,6 +130,68 @@ class SuffixMethod(Method):
         return g.memory_bytes() / max(1, g.num_tokens)
 
 
+class ArcticSuffixMethod(Method):
+    """vLLM's ``suffix`` method exactly: arctic-inference's SuffixDecodingCache driven as
+    ``vllm/v1/spec_decode/suffix_decoding.py`` drives it (per-request tree over prompt +
+    output, global tree over every request's output added as it is generated, at most
+    ``max_cached_requests`` responses, pattern = the last ``max_tree_depth`` tokens of
+    prompt + output, vLLM's defaults)."""
+
+    name = "suffix"
+
+    def __init__(self, max_len: int, max_tree_depth: int = 24, max_cached_requests: int = 10000,
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests)
+        self.depth, self.factor, self.min_prob = max_tree_depth, max_spec_factor, min_token_prob
+        self._ctx: dict[str, list[int]] = {}
+        self._seen: dict[str, int] = {}
+        self._warm = False
+
+    def observe(self, epoch, groups):
+        if self._warm:
+            return  # later epochs entered the cache while they were generated
+        self._warm = True
+        for pid, recs in groups.items():
+            for r in recs:
+                rid = f"warm:{epoch}:{pid}:{r.sample_idx}"
+                self.cache.start_request(rid, _prompt_tokens(r))
+                self.cache.add_active_response(rid, r.token_ids)
+                self.cache.stop_request(rid)
+
+    def begin(self, rid, rec):
+        prompt = _prompt_tokens(rec)
+        self.cache.start_request(rid, prompt)
+        self._ctx[rid] = list(prompt)
+        self._seen[rid] = 0
+
+    def propose(self, rid, generated, max_len):
+        new = generated[self._seen[rid]:]
+        self._seen[rid] = len(generated)
+        ctx = self._ctx[rid]
+        if new:
+            self.cache.add_active_response(rid, new)
+            ctx.extend(new)
+        d = self.cache.speculate(rid, ctx[-self.depth:], max_spec_tokens=max_len, max_spec_factor=self.factor,
+                                 min_token_prob=self.min_prob)
+        return list(d.token_ids), None
+
+    def end(self, rid, rec):
+        new = rec.token_ids[self._seen.pop(rid):]
+        if new:
+            self.cache.add_active_response(rid, new)
+        self.cache.stop_request(rid)
+        self._ctx.pop(rid)
+
+
+def _suffix_method(max_len: int) -> Method:
+    try:
+        return ArcticSuffixMethod(max_len)
+    except ImportError:
+        return SuffixMethod(max_len)
+
+
 class HistoSpecMethod(Method):
     def __init__(self, cfg: HistoSpecConfig, name: str):
         self.name = name
@@ -157,6 +220,12 @@ class HistoSpecMethod(Method):
         d = self.prop.propose(rid, generated, max_len)
         return d.tokens, (d.parents if self.cfg.tree else None)
 
+    def propose_step(self, items):
+        return [(d.tokens, d.parents if self.cfg.tree else None) for d in self.prop.propose_step(items)]
+
+    def observe_step(self, num_requests, num_scored_tokens, seconds):
+        self.prop.observe_step(num_requests, num_scored_tokens, seconds)
+
     def feedback(self, rid, proposed, accepted):
         self.prop.feedback(rid, proposed, accepted)
 
@@ -167,14 +236,32 @@ class HistoSpecMethod(Method):
         return self.store.index_memory_bytes() / max(1, self.store.num_tokens)
 
     def extra(self) -> dict:
-        return {"index_build_us_per_token": 1e6 * self.build_s / max(1, self.built_tokens)}
+        st = self.prop.stats()
+        out = {"index_build_us_per_token": 1e6 * self.build_s / max(1, self.built_tokens),
+               "steps_without_drafts_fraction": st["steps_without_drafts_fraction"]}
+        for src in SOURCES:
+            out[f"by_source/{src}/drafts"] = st[f"source/{src}/drafts"]
+            out[f"by_source/{src}/accepted"] = st[f"source/{src}/accepted"]
+            out[f"by_source/{src}/acceptance"] = st[f"source/{src}/accepted"] / max(1, st[f"source/{src}/proposed"])
+        return out
 
 
 # -- replay -------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class StepTime:
+    """Modelled engine step time (seconds) = fixed + per_request * R + per_token * scored tokens."""
+    fixed: float = 0.055
+    per_request: float = 0.0046
+    per_token: float = 0.0016
+
+    def __call__(self, num_requests: int, num_scored_tokens: int) -> float:
+        return self.fixed + self.per_request * num_requests + self.per_token * num_scored_tokens
+
+
 def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], max_len: int,
-             cold: bool = False) -> dict:
+             cold: bool = False, step_time: Optional[StepTime] = None) -> dict:
     """Replay epochs >= 1 of a trace in engine order: each round drafts for every
     running request, verifies, feeds back, then retires finished requests.
 
@@ -185,6 +272,9 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
     order = sorted(epochs)
     tokens = forwards = accepted = proposed = drafted = 0
     t_draft = 0.0
+    step_time = step_time or StepTime()
+    modelled_s = 0.0
+    stepwise = hasattr(method, "propose_step")
     clock = time.thread_time
     if cold:
         order = order[:1]
@@ -199,8 +289,16 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
         while active:
             gens = [rec.token_ids[:pos[rid]] for rid, rec in active]
             t0 = clock()
-            drafts = [method.propose(rid, g, max_len) for (rid, _), g in zip(active, gens)]
+            if stepwise:
+                drafts = method.propose_step([(rid, g, max_len) for (rid, _), g in zip(active, gens)])
+            else:
+                drafts = [method.propose(rid, g, max_len) for (rid, _), g in zip(active, gens)]
             t_draft += clock() - t0
+            scored = len(active) + sum(len(d) for d, _ in drafts)
+            secs = step_time(len(active), scored)
+            modelled_s += secs
+            if stepwise:
+                method.observe_step(len(active), scored, secs)
             acc = []
             for (rid, rec), (draft, parents) in zip(active, drafts):
                 rest = rec.token_ids[pos[rid]:]
@@ -235,6 +333,7 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
         "index_kb_per_1k_tokens": method.index_bytes_per_token(),
         "generated_tokens": tokens,
         "forwards": forwards,
+        "modelled_step_time_s": modelled_s,
         **method.extra(),
     }
 
@@ -285,14 +384,15 @@ def _table(title: str, rows: dict[str, dict], cols: list[str]) -> str:
     w = max(len(k) for k in rows) + 2
     lines = [title, "".ljust(w) + "".join(c[:18].rjust(19) for c in cols)]
     for k, m in rows.items():
-        lines.append(k.ljust(w) + "".join(f"{m[c]:19.3f}" if isinstance(m[c], float) else f"{m[c]:>19}" for c in cols))
+        lines.append(k.ljust(w) + "".join(f"{m[c]:19.3f}" if isinstance(m.get(c), float) else f"{m.get(c, '-'):>19}"
+                                          for c in cols))
     return "\n".join(lines)
 
 
 RECOMMENDED = {"min_match": 1, "start_after": 0}
 
 COLS = ["tokens_per_forward", "mean_accepted_len", "acceptance_rate", "draft_tokens_per_forward",
-        "draft_us_per_token", "draft_us_per_call", "index_kb_per_1k_tokens", "modelled_speedup"]
+        "draft_us_per_token", "draft_us_per_call", "index_kb_per_1k_tokens", "modelled_wall_speedup"]
 
 
 def main(argv: list[str]) -> int:
@@ -308,6 +408,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-len", type=int, default=16, help="draft tokens per step the engine allows (num_speculative_tokens)")
     ap.add_argument("--verify-cost", type=float, default=0.05,
                     help="cost of one extra verified token relative to a decode step (modelled_speedup)")
+    ap.add_argument("--step-fixed-ms", type=float, default=55.0,
+                    help="modelled engine step: fixed cost (ms); defaults are the CPU engine's measured costs")
+    ap.add_argument("--step-per-request-ms", type=float, default=4.6, help="modelled engine step: cost per request (ms)")
+    ap.add_argument("--step-per-token-ms", type=float, default=1.6, help="modelled engine step: cost per scored token (ms)")
     ap.add_argument("--tree-nodes", type=int, default=32, help="node budget of histospec_tree")
     ap.add_argument("--ablations", choices=["none", "quick", "full"], default="quick")
     ap.add_argument("--no-forward-timing", action="store_true", help="skip timing the tiny model's forward (no torch import)")
@@ -333,8 +437,16 @@ def main(argv: list[str]) -> int:
     chain_cfg = dataclasses.replace(base, max_draft=args.max_len, **RECOMMENDED)
     tree_cfg = dataclasses.replace(chain_cfg, tree=True, tree_nodes=args.tree_nodes)
 
+    step_time = StepTime(args.step_fixed_ms * 1e-3, args.step_per_request_ms * 1e-3, args.step_per_token_ms * 1e-3)
+    none_s: list[float] = []
+
     def run(method: Method, max_len: int = args.max_len) -> dict:
-        return _finish(simulate(method, epochs, max_len), args.verify_cost)
+        m = simulate(method, epochs, max_len, step_time=step_time)
+        if not none_s:
+            none_s.append(m["modelled_step_time_s"])
+        # Rollout wall time under the step-time model, none / method (> 1 = faster).
+        m["modelled_wall_speedup"] = none_s[0] / max(1e-12, m["modelled_step_time_s"])
+        return _finish(m, args.verify_cost)
 
     done: dict[tuple, dict] = {}
 
@@ -348,12 +460,14 @@ def main(argv: list[str]) -> int:
     methods = {
         "none": run(Method()),
         "ngram": run(NgramMethod(2, 5)),
-        "suffix": run(SuffixMethod(args.max_len)),
+        "suffix": run(_suffix_method(args.max_len)),
         "histospec_chain": run_hs(chain_cfg, args.max_len),
         "histospec_tree": run(HistoSpecMethod(tree_cfg, "histospec_tree"), max_len=tree_cfg.tree_nodes),
     }
     methods["ngram"]["params"] = "prompt_lookup_min=2, prompt_lookup_max=5 (vLLM default 5/5 in ablations)"
-    methods["suffix"]["params"] = "re-implementation (arctic-inference not installed): max_depth 24, spec_factor 1, min_token_prob 0.1"
+    methods["suffix"]["params"] = ("vLLM suffix via arctic-inference: " if isinstance(_suffix_method(1), ArcticSuffixMethod)
+                                   else "re-implementation (arctic-inference not installed): ") + \
+        "max_tree_depth 24, max_spec_factor 1, min_token_prob 0.1"
     methods["histospec_tree"]["params"] = f"tree_nodes={tree_cfg.tree_nodes}, tree_topk={tree_cfg.tree_topk}"
 
     ablations: dict[str, dict[str, dict]] = {}
@@ -376,12 +490,25 @@ def main(argv: list[str]) -> int:
                                     for s in ((0, 4, 8) if args.ablations == "full" else (0, 4))}
         ablations["branch"] = {b: hs(b, branch=b) for b in ("frequency", "reward")}
         ablations["siblings"] = {f"include_siblings_{s}": hs(f"sib{s}", include_siblings=s) for s in (True, False)}
+        # Which source contributes what: each alone, and all but one.
+        only = {"history": dict(include_siblings=False, include_global=False),
+                "group": dict(include_history=False, include_global=False),
+                "global": dict(include_history=False, include_siblings=False)}
+        srcs = {f"only_{k}": hs(f"only{k}", **kw) for k, kw in only.items()}
+        srcs["without_history"] = hs("nohist", include_history=False)
+        srcs["without_group"] = hs("nogroup", include_siblings=False)
+        srcs["without_global"] = hs("noglobal", include_global=False)
+        srcs["all"] = hs("all")
+        ablations["sources"] = srcs
+        ablations["epochs_kept"] = {f"epochs_kept_{k}": hs(f"ek{k}", epochs_kept=k) for k in (1, 2, 3, 4)}
+        ablations["draft_rule_goodput_vs_adaptive"] = {
+            "goodput": hs("gp"), "adaptive": hs("ad", draft_rule="adaptive")}
         cold = {}
         for sib in (True, False):
             cfg = dataclasses.replace(chain_cfg, include_siblings=sib)
             cold[f"histospec_chain, include_siblings={sib}"] = _finish(
                 simulate(HistoSpecMethod(cfg, "cold"), epochs, args.max_len, cold=True), args.verify_cost)
-        cold["suffix"] = _finish(simulate(SuffixMethod(args.max_len), epochs, args.max_len, cold=True), args.verify_cost)
+        cold["suffix"] = _finish(simulate(_suffix_method(args.max_len), epochs, args.max_len, cold=True), args.verify_cost)
         ablations["cold_start_first_epoch"] = cold
         ablations["ngram_params"] = {"ngram[5,5] (vLLM default)": run(NgramMethod(5, 5))}
         if args.ablations == "full":
@@ -389,7 +516,6 @@ def main(argv: list[str]) -> int:
             ablations["min_prob"] = {f"min_prob_{p}": hs(f"mp{p}", min_prob=p) for p in (0.0, 0.1, 0.3)}
             ablations["tree_nodes"] = {f"tree_nodes_{k}": run(HistoSpecMethod(dataclasses.replace(tree_cfg, tree_nodes=k), "t"), k)
                                        for k in (16, 32, 64)}
-            ablations["epochs_kept"] = {f"epochs_kept_{k}": hs(f"ek{k}", epochs_kept=k) for k in (1, 2)}
 
     # Drafting cost vs a target forward: one decode step drafts for every running request.
     batch = 32

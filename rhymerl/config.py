@@ -118,7 +118,9 @@ class HistoSpecConfig:
     min_prob: float = 0.1
     # Do not speculate before a request has generated this many tokens.
     start_after: int = 0
-    draft_rule: Literal["fixed", "aimd", "mimd", "adaptive"] = "adaptive"
+    # goodput: per engine step, the draft lengths that maximise expected tokens per second
+    # (histospec/goodput.py); the other rules size each request's draft on its own.
+    draft_rule: Literal["fixed", "aimd", "mimd", "adaptive", "goodput"] = "goodput"
     # The adaptive rule drafts past its window while the history's path probability stays above this.
     adaptive_conf: float = 0.6
     fixed_len: int = 8
@@ -127,8 +129,27 @@ class HistoSpecConfig:
     tree_nodes: int = 16
     tree_topk: int = 2
     branch: Literal["frequency", "reward"] = "frequency"
+    # Draft from the same prompt's earlier visits (the last ``epochs_kept``).
+    include_history: bool = True
     # Also draft from in-flight sibling responses of the same GRPO group.
     include_siblings: bool = True
+    # Also draft from other prompts' responses (one shared index over the newest visit
+    # of every prompt, at most ``global_token_budget`` tokens, newest first).
+    include_global: bool = True
+    global_token_budget: int = 2_000_000
+    # goodput rule: prior of the engine step-time model (refitted online from measured
+    # steps); only the ratios matter before the first measurements.
+    step_cost_fixed_ms: float = 55.0
+    step_cost_per_request_ms: float = 4.6
+    step_cost_per_token_ms: float = 1.6
+    step_cost_prior_steps: float = 0.1
+    # goodput rule: prior acceptance multiplier a (P(accept) = min(1, a * history prob)) and its weight.
+    acceptance_prior: float = 0.5
+    acceptance_prior_weight: float = 4.0
+    # goodput rule: drafts stop at length_margin x the predicted response length (0 = no cap).
+    length_margin: float = 1.5
+    # goodput rule: a draft token is proposed only if its survival probability exceeds this.
+    min_gain: float = 0.0
 
 
 @dataclass
@@ -477,6 +498,15 @@ def check_static(cfg: RunConfig) -> None:
     _require(h.max_draft >= 1, "histospec.max_draft", "must be >= 1")
     _require(0 < h.adaptive_conf <= 1, "histospec.adaptive_conf", "must be in (0, 1]")
     _require(h.tree_nodes >= 1, "histospec.tree_nodes", "must be >= 1")
+    _require(h.global_token_budget >= 0, "histospec.global_token_budget", "must be >= 0")
+    for name in ("step_cost_fixed_ms", "step_cost_per_request_ms"):
+        _require(getattr(h, name) >= 0, f"histospec.{name}", "must be >= 0")
+    _require(h.step_cost_per_token_ms > 0, "histospec.step_cost_per_token_ms", "must be > 0")
+    _require(h.step_cost_prior_steps > 0, "histospec.step_cost_prior_steps", "must be > 0")
+    _require(0 < h.acceptance_prior <= 1, "histospec.acceptance_prior", "must be in (0, 1]")
+    _require(h.acceptance_prior_weight > 0, "histospec.acceptance_prior_weight", "must be > 0")
+    _require(h.length_margin >= 0, "histospec.length_margin", "must be >= 0 (0 = no cap)")
+    _require(0 <= h.min_gain < 1, "histospec.min_gain", "must be in [0, 1)")
     _require(cfg.histopipe.num_groups >= 1, "histopipe.num_groups", "must be >= 1")
     _require(0 < cfg.histopipe.straggler_fraction < 1, "histopipe.straggler_fraction", "must be in (0, 1)")
     _require(0 <= cfg.histopipe.decay <= 1, "histopipe.decay", "must be in [0, 1]")

@@ -17,7 +17,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -172,7 +172,8 @@ class Trainer:
         t1 = time.perf_counter()
         # Siblings of a group share a group id, so HistoSpec can draft from in-flight siblings.
         results = self.engine.generate(prompts, 1, spec, group_ids=[f"{self.step}:{g}" for g, _ in mine], epoch=epoch,
-                                       record_history=False) if prompts else []
+                                       record_history=False, predicted_lengths=self._spec_lengths(plan, mine, batch_indices)
+                                       ) if prompts else []
         t_gen = time.perf_counter() - t1
         local = []
         for (g, s), res in zip(mine, results):
@@ -207,6 +208,12 @@ class Trainer:
         for g in actual:
             self.predictor.observe(self.prompt_keys[batch_indices[g]], actual[g])
         return samples, metrics
+
+    def _spec_lengths(self, plan: Any, mine: list, batch_indices: list[int]) -> list[Optional[float]]:
+        """HistoPipe's predicted length per request, where the prompt has history (HistoSpec
+        drafts nothing past a response's predicted end); None elsewhere."""
+        return [plan.predicted.get(g) if self.history.has(self.prompt_keys[batch_indices[g]]) else None
+                for g, _ in mine]
 
     def _record_history(self, samples: list[Sample], batch_indices: list[int], epoch: int) -> None:
         """Every rank adds every group of the step (all instances' responses, with rewards),

@@ -88,6 +88,9 @@ class HistoryStore:
         # (key, epoch) in insertion order: eviction takes from the front.
         self._order: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.num_tokens = 0
+        # Shared index over other prompts' responses (built on first use after a change).
+        self._global: Optional[FrozenSuffixAutomaton] = None
+        self._global_stale = True
 
     # -- queries --------------------------------------------------------------------
     @property
@@ -127,6 +130,31 @@ class HistoryStore:
             e.index = self._build(e)
         return e.index
 
+    def global_index(self) -> Optional[FrozenSuffixAutomaton]:
+        """One index over the newest visit of every prompt (SuffixDecoding's global cache),
+        newest visits first up to ``global_token_budget`` tokens; None if empty or disabled."""
+        if not self.cfg.include_global or self.cfg.global_token_budget <= 0:
+            return None
+        if self._global_stale:
+            self._global = self._build_global()
+            self._global_stale = False
+        return self._global
+
+    def _build_global(self) -> Optional[FrozenSuffixAutomaton]:
+        sam = SuffixAutomaton(online=False)
+        budget = self.cfg.global_token_budget
+        seen: set[int] = set()
+        for key, epoch in reversed(self._order):
+            if key in seen:
+                continue
+            seen.add(key)
+            v = self._entries[key].visits[-1]
+            if sam.num_tokens + v.num_tokens > budget:
+                break
+            for r in v.responses:
+                sam.add([START] + r)
+        return sam.freeze() if sam.num_tokens else None
+
     def index_memory_bytes(self) -> int:
         return sum(e.index.memory_bytes() for e in self._entries.values() if e.index is not None)
 
@@ -155,6 +183,7 @@ class HistoryStore:
             # Frozen indexes are rebuilt from the kept tokens (O(tokens), off the decode path).
             e.index = None
         self.num_tokens += sum(len(r) for r in resp)
+        self._global_stale = True
         self._enforce_budget(keep=(int(key), int(epoch)))
         if int(key) in self._entries:
             self.index(int(key)).best_arrays(self.cfg.branch == "reward")
@@ -173,6 +202,7 @@ class HistoryStore:
     def _drop_oldest_visit(self, key: int, e: _Entry) -> None:
         v = e.visits.pop(0)
         self.num_tokens -= v.num_tokens
+        self._global_stale = True
         self._order.pop((key, v.epoch), None)
         e.index = None
         if not e.visits:
@@ -262,6 +292,7 @@ class HistoryStore:
         e.visits.append(_Visit(epoch, responses, rewards))
         self._order[(key, epoch)] = None
         self.num_tokens += sum(len(r) for r in responses)
+        self._global_stale = True
         while len(e.visits) > self.cfg.epochs_kept:
             self._drop_oldest_visit(key, e)
 
