@@ -200,18 +200,12 @@ class HistoSpecMethod(Method):
         self.prop = DraftProposer(self.store, cfg)
         self._epoch = -1
 
-    build_s = 0.0
-    built_tokens = 0
-
     def observe(self, epoch, groups):
         self._epoch = epoch + 1
-        t0 = time.thread_time()
-        self.built_tokens += sum(len(r.token_ids) for recs in groups.values() for r in recs)
         for pid, recs in groups.items():
             rewards = [r.reward for r in recs]
             self.store.add_group(prompt_key(_prompt_tokens(recs[0])), epoch, [r.token_ids for r in recs],
                                  None if any(x is None for x in rewards) else rewards)
-        self.build_s += time.thread_time() - t0
 
     def begin(self, rid, rec):
         self.prop.begin(rid, prompt_key(_prompt_tokens(rec)), group=f"{self._epoch}:{rec.prompt_id}")
@@ -237,7 +231,7 @@ class HistoSpecMethod(Method):
 
     def extra(self) -> dict:
         st = self.prop.stats()
-        out = {"index_build_us_per_token": 1e6 * self.build_s / max(1, self.built_tokens),
+        out = {"index_build_us_per_token": self.store.build_cost()["index_build_us_per_token"],
                "steps_without_drafts_fraction": st["steps_without_drafts_fraction"]}
         for src in SOURCES:
             out[f"by_source/{src}/drafts"] = st[f"source/{src}/drafts"]

@@ -110,8 +110,12 @@ class HistoSpecConfig:
     enabled: bool = True
     # How many past visits (epochs) of a prompt are kept as draft source.
     epochs_kept: int = 1
-    # Global bound on stored history tokens; oldest epochs are evicted first.
-    token_budget: int = 50_000_000
+    # Global bound on stored history tokens (oldest epochs are evicted first). 0 = sized
+    # from the dataset and the memory at hand (histospec/budget.py): every prompt's last
+    # ``epochs_kept`` visits when they fit in ``memory_fraction`` of the node's available
+    # memory, shared by the node's ranks.
+    token_budget: int = 0
+    memory_fraction: float = 0.25
     match_window: int = 7
     # 1 and 0 beat the release's 4 and 4 on every similarity measured (bench histospec).
     min_match: int = 1
@@ -499,6 +503,8 @@ def check_static(cfg: RunConfig) -> None:
     _require(0 < h.adaptive_conf <= 1, "histospec.adaptive_conf", "must be in (0, 1]")
     _require(h.tree_nodes >= 1, "histospec.tree_nodes", "must be >= 1")
     _require(h.global_token_budget >= 0, "histospec.global_token_budget", "must be >= 0")
+    _require(h.token_budget >= 0, "histospec.token_budget", "must be >= 0 (0 = sized from the dataset and memory)")
+    _require(0 < h.memory_fraction <= 1, "histospec.memory_fraction", "must be in (0, 1]")
     for name in ("step_cost_fixed_ms", "step_cost_per_request_ms"):
         _require(getattr(h, name) >= 0, f"histospec.{name}", "must be >= 0")
     _require(h.step_cost_per_token_ms > 0, "histospec.step_cost_per_token_ms", "must be > 0")

@@ -94,7 +94,8 @@ class Trainer:
         self.prompt_keys = [prompt_key(p) for p in self.prompt_ids]
         self.sampler = EpochSampler(len(self.records), cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
 
-        self.history = HistoryStore(cfg.histospec, vocab_size=len(self.tokenizer))
+        self.history_budget = _history_budget(cfg, len(self.records))
+        self.history = HistoryStore(cfg.histospec, vocab_size=len(self.tokenizer), token_budget=self.history_budget)
         self.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
         self.num_instances = comm.world_size
         if cfg.histopipe.enabled:
@@ -141,7 +142,7 @@ class Trainer:
 
         self.step = int(blobs["step"])
         self.sampler.load_state_dict(blobs["sampler"])
-        self.history = HistoryStore.from_bytes(blobs["history"], self.cfg.histospec)
+        self.history = HistoryStore.from_bytes(blobs["history"], self.cfg.histospec, token_budget=self.history_budget)
         self.engine.set_history(self.history)
         self.predictor.load_state_dict(blobs["predictor"])
         self.planner.load_state_dict(blobs["planner"])
@@ -208,6 +209,16 @@ class Trainer:
         for g in actual:
             self.predictor.observe(self.prompt_keys[batch_indices[g]], actual[g])
         return samples, metrics
+
+    def _prebuild_next_indexes(self) -> None:
+        """Index the next step's prompts in a background thread, overlapping training (the
+        index of a prompt is otherwise built when its first request starts drafting)."""
+        if self.cfg.rollout.speculative != "histospec":
+            return
+        import copy
+
+        nxt = copy.deepcopy(self.sampler).next_batch().indices
+        self.history.prebuild([self.prompt_keys[i] for i in nxt])
 
     def _spec_lengths(self, plan: Any, mine: list, batch_indices: list[int]) -> list[Optional[float]]:
         """HistoPipe's predicted length per request, where the prompt has history (HistoSpec
@@ -320,6 +331,7 @@ class Trainer:
         samples, metrics = self._rollout(idx, batch.epoch)
         metrics.update(self._score(samples, idx))
         self._record_history(samples, idx, batch.epoch)
+        self._prebuild_next_indexes()
         rewards = np.array([s.reward for s in samples])
         metrics.update({"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
                         "reward/accuracy": float(np.mean([s.correct for s in samples]))})
@@ -389,9 +401,29 @@ class Trainer:
 
 
 def _sum_engine_metrics(ms: list[dict]) -> dict:
-    keys = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s")
+    keys = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s",
+            "requests", "requests_with_history", "steps", "steps_without_drafts")
     tot = {k: float(sum(m.get(k, 0) for m in ms)) for k in keys}
     out = dict(tot)
+    # Requests whose prompt had history; engine steps in which nobody drafted.
+    out["history_served_fraction"] = tot["requests_with_history"] / tot["requests"] if tot["requests"] else 0.0
+    out["steps_without_drafts_fraction"] = tot["steps_without_drafts"] / tot["steps"] if tot["steps"] else 0.0
     out["acceptance"] = tot["draft_accepted"] / tot["draft_proposed"] if tot["draft_proposed"] else 0.0
     out["tokens_per_forward"] = tot["generated_tokens"] / tot["target_forwards"] if tot["target_forwards"] else 1.0
     return out
+
+
+def _history_budget(cfg: RunConfig, num_prompts: int) -> int:
+    """histospec.token_budget, or (0) one sized from the dataset and this node's memory."""
+    import os
+
+    from rhymerl.histospec.budget import available_memory_bytes, plan_token_budget
+
+    h = cfg.histospec
+    if h.token_budget > 0:
+        return h.token_budget
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
+    plan = plan_token_budget(num_prompts, cfg.rollout.n, cfg.rollout.max_tokens, h.epochs_kept, available_memory_bytes(),
+                             ranks_per_node=max(1, ranks), memory_fraction=h.memory_fraction)
+    (log.info if plan.covers_dataset else log.warning)("histospec: %s", plan.describe())
+    return plan.token_budget
