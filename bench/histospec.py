@@ -200,8 +200,12 @@ class HistoSpecMethod(Method):
         self.prop = DraftProposer(self.store, cfg)
         self._epoch = -1
 
+    _index_bytes = 0.0
+
     def observe(self, epoch, groups):
         self._epoch = epoch + 1
+        # Indexes built while this epoch was drafted; adding the epoch drops them.
+        self._index_bytes = self.store.build_cost()["index_bytes_per_token"] or self._index_bytes
         for pid, recs in groups.items():
             rewards = [r.reward for r in recs]
             self.store.add_group(prompt_key(_prompt_tokens(recs[0])), epoch, [r.token_ids for r in recs],
@@ -227,7 +231,7 @@ class HistoSpecMethod(Method):
         self.prop.end(rid, rec.token_ids)
 
     def index_bytes_per_token(self):
-        return self.store.index_memory_bytes() / max(1, self.store.num_tokens)
+        return self._index_bytes
 
     def extra(self) -> dict:
         st = self.prop.stats()
@@ -372,6 +376,41 @@ def time_tiny_forward(batch: int, draft_tokens: int, context: int = 128) -> Opti
 
     return {"batch": batch, "context": context, "decode_forward_us": median_step(1),
             "verify_forward_us": median_step(1 + draft_tokens), "torch_threads": torch.get_num_threads()}
+
+
+BUILD_US_TARGET = 1.0
+BYTES_TARGET = 40
+
+
+def index_build_cost(epochs: dict[int, dict[str, list[TraceRecord]]]) -> dict:
+    """Per-prompt history index build cost over every epoch's groups: CPU time and resident
+    size per history token, for the store's index and (when installed) arctic-inference's
+    compiled SuffixTree, plus what the store itself keeps per token (int32 ids)."""
+    groups = [[r.token_ids for r in recs] for ep in sorted(epochs) for recs in epochs[ep].values()]
+    ntok = sum(len(t) for g in groups for t in g)
+    store = HistoryStore(dataclasses.replace(HistoSpecConfig(), token_budget=max(1, ntok)))
+    for i, g in enumerate(groups):
+        store.add_group(i, 0, g)
+    store.prebuild(range(len(groups)), background=False)
+    c = store.build_cost()
+    out = {"history_tokens": ntok, "store_bytes_per_token": c["stored_bytes_per_token"],
+           "suffix_automaton": {"build_us_per_token": round(c["index_build_us_per_token"], 3),
+                                "bytes_per_token": round(c["index_bytes_per_token"], 1)}}
+    try:
+        from arctic_inference.suffix_decoding._C import SuffixTree
+    except ImportError:
+        return out
+    t0 = time.thread_time()
+    trees = []
+    for g in groups:
+        tree = SuffixTree(64)
+        for j, t in enumerate(g):
+            tree.extend(j, t)
+        trees.append(tree)
+    dt = time.thread_time() - t0
+    out["arctic_suffix_tree_depth64"] = {"build_us_per_token": round(1e6 * dt / max(1, ntok), 3),
+                                         "bytes_per_token": round(sum(t.estimate_memory() for t in trees) / max(1, ntok), 1)}
+    return out
 
 
 def _table(title: str, rows: dict[str, dict], cols: list[str]) -> str:
@@ -531,17 +570,29 @@ def main(argv: list[str]) -> int:
 
     order_ok = (methods["histospec_tree"]["tokens_per_forward"] >= methods["histospec_chain"]["tokens_per_forward"]
                 >= methods["suffix"]["tokens_per_forward"] >= methods["ngram"]["tokens_per_forward"] >= 1.0)
+    history_index = index_build_cost(epochs)
     result = {"methods": methods, "ablations": ablations, "cost": cost, "source": source,
+              "history_index": history_index,
               "ordering_tree>=chain>=suffix>=ngram>=1": order_ok,
               "histospec_settings": {k: getattr(chain_cfg, k) for k in ("draft_rule", "max_draft", "match_window", "min_match",
                                                               "min_prob", "start_after", "branch", "include_siblings",
-                                                              "epochs_kept")},
+                                                              "include_global", "epochs_kept")},
               "wall_s": round(time.perf_counter() - t_start, 2)}
 
     print(_table("HistoSpec offline replay (greedy-exact; identical for sampled one-hot drafts)", methods, COLS), file=sys.stderr)
     for name, rows in ablations.items():
         print("", file=sys.stderr)
         print(_table(f"ablation: {name}", rows, COLS), file=sys.stderr)
+    chain = methods["histospec_chain"]
+    by_src = {src: {"drafts": chain[f"by_source/{src}/drafts"],
+                    "accepted_per_forward": chain[f"by_source/{src}/accepted"] / max(1, chain["forwards"]),
+                    "acceptance_rate": chain[f"by_source/{src}/acceptance"]} for src in SOURCES}
+    result["histospec_chain_by_source"] = by_src
+    print("", file=sys.stderr)
+    print(_table("histospec_chain by draft source (tokens per forward = 1 + sum of accepted_per_forward)", by_src,
+                 ["drafts", "accepted_per_forward", "acceptance_rate"]), file=sys.stderr)
+    print(f"\nhistory index build (targets <= {BUILD_US_TARGET} us and <= {BYTES_TARGET} B per history token): "
+          f"{json.dumps(history_index)}", file=sys.stderr)
     print(f"\ndrafting cost: {json.dumps(cost)}\nordering tree>=chain>=suffix>=ngram>=1: {order_ok}"
           f"\nwall {result['wall_s']} s", file=sys.stderr)
     if args.json:
