@@ -187,6 +187,14 @@ class AcceptanceTracker:
         last = len(rates) - 1
         return [min(1.0, f * rates[min(i, last)] * q) for i, q in enumerate(cond_probs)]
 
+    def bound(self, req: str, source: str, n: int) -> float:
+        """Most expected accepted tokens any chain of n tokens from ``source`` can have (q = 1)."""
+        e, p = 0.0, 1.0
+        for a in self.survival(req, source, [1.0] * n):
+            p *= a
+            e += p
+        return e
+
     def observe(self, req: str, source: str, cond_probs: Sequence[float], accepted: int) -> None:
         """A verified draft: its first ``accepted`` tokens were accepted."""
         n = len(cond_probs)

@@ -317,6 +317,8 @@ class DraftProposer:
         for src, m, walk in (("history", hist, _walk), ("group", sib, _walk_group), ("global", glob, _walk)):
             if m is None or not m.sam.num_tokens:
                 continue
+            if best is not None and acc.bound(req_id, src, conf_limit) <= best_val:
+                continue  # even a unanimous chain from this source could not beat the best so far
             m.advance(generated, cfg.match_window, self._reward and src == "history")
             cand = self._chain_from(m, limit, conf_limit, walk)
             if cand is None:
