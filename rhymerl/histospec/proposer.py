@@ -1,9 +1,15 @@
-"""Draft proposer: history drafts for running requests, one call per decode step.
+"""Draft proposer: drafts for every running request of an engine step, one call per step.
 
-Per request we keep the suffix-automaton match of its generated tokens against the
-prompt's history index (and, if ``include_siblings``, against the finished responses
-of its GRPO group in this step), advanced incrementally with the tokens emitted since
-the last call, so a call costs O(tokens emitted + draft length) dictionary steps.
+Draft sources (``SOURCES``), each a suffix automaton matched incrementally against the
+request's generated tokens (a call costs O(tokens emitted + draft length) steps):
+  history  the same prompt's responses from its last ``epochs_kept`` visits (store)
+  group    the request's GRPO group in this step: siblings finished *and in flight*
+           (every request's emitted tokens are indexed as they arrive) and the
+           request's own output so far (``include_siblings``)
+  global   other prompts' responses, newest visit of each (``include_global``)
+Per request the chain with the most expected accepted tokens wins, expected under each
+source's online acceptance (``goodput.AcceptanceTracker``), so a source is weighted by
+what it has actually predicted; vLLM verifies one chain per request.
 
 Matching follows the released HistoSpec: the longest suffix of the last
 ``match_window`` generated tokens that occurs in the history, at least ``min_match``
@@ -17,6 +23,9 @@ children per node).
 
 Draft-length rules (``draft_rule``), all capped by ``max_draft`` and the engine's
 ``max_len``:
+  goodput   the default: all requests of the step together, the lengths that maximise
+            expected emitted tokens per second of the step (``goodput.plan_step``),
+            capped near each response's predicted end; often nobody drafts
   fixed     always ``fixed_len``
   aimd      the paper: start 2, +2 after a fully accepted draft, back to 2 on a rejection
   mimd      the release: start 2, x2 after a fully accepted draft, //2 (floor 2) on a rejection
@@ -25,8 +34,8 @@ Draft-length rules (``draft_rule``), all capped by ``max_draft`` and the engine'
             continuations are accepted almost always, so capping them wastes steps.
 
 Measured with ``python -m rhymerl bench histospec`` (synthetic traces, similarity
-0.5-0.95): ``adaptive`` has the best modelled speedup of all rules (fixed 4..32,
-aimd, mimd), and ``min_match=1, start_after=0`` beat the released 4/4 at every
+0.5-0.95): among the per-request rules ``adaptive`` has the best modelled speedup
+(fixed 4..32, aimd, mimd), and ``min_match=1, start_after=0`` beat the released 4/4 at every
 similarity (the ``min_prob`` cut already rejects ambiguous short matches). The
 benchmark's main rows use those settings (``bench/histospec.py: RECOMMENDED``).
 
