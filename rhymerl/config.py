@@ -141,8 +141,12 @@ class HistoSpecConfig:
     # of every prompt, at most ``global_token_budget`` tokens, newest first).
     include_global: bool = True
     global_token_budget: int = 2_000_000
-    # goodput rule: prior of the engine step-time model (refitted online from measured
-    # steps); only the ratios matter before the first measurements.
+    # goodput rule: "measured" refits the engine step-time model from measured steps as the
+    # engine runs; draft lengths then depend on timings, so a sampled run is reproduced in
+    # distribution, not token for token (greedy runs are exact either way). "prior" keeps
+    # the coefficients below: token-exact replays and resumes of sampled runs.
+    step_cost: Literal["measured", "prior"] = "measured"
+    # goodput rule: prior of the engine step-time model; only the ratios matter.
     step_cost_fixed_ms: float = 55.0
     step_cost_per_request_ms: float = 4.6
     step_cost_per_token_ms: float = 1.6

@@ -416,8 +416,17 @@ class DraftProposer:
         return out
 
     def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float) -> None:
-        """A measured engine step (see ``goodput.StepCostModel``)."""
-        self.cost.observe_step(num_requests, num_scored_tokens, seconds)
+        """A measured engine step (see ``goodput.StepCostModel``); ignored with step_cost=prior."""
+        if self.cfg.step_cost == "measured":
+            self.cost.observe_step(num_requests, num_scored_tokens, seconds)
+
+    def start_rollout(self) -> None:
+        """A new rollout (new policy weights): statistics and learnt acceptance start afresh,
+        so a rollout's drafts depend only on its own history and outcomes (a resumed run
+        replays them); the step-cost model carries over."""
+        self.reset_stats()
+        cfg = self.cfg
+        self.acceptance = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight)
 
     def _chain_from(self, m: _Match, limit: int, conf_limit: int, walk):
         cfg = self.cfg

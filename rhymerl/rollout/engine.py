@@ -352,7 +352,7 @@ class RolloutEngine:
         reqs: dict[str, tuple[int, int]] = {}
         proposer = self._drafter() if self.method == "histospec" else None
         if self._core is not None:
-            self._core.reset_stats()
+            self._core.start_rollout()
         m0 = self._meter.snapshot() if self._meter else (0, 0, 0, 0.0)
         t0 = time.perf_counter()
         j = 0

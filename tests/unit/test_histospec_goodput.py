@@ -144,3 +144,19 @@ def test_global_index_drafts_from_other_prompts():
     off = DraftProposer(store, dataclasses.replace(cfg, include_global=False))
     off.begin("x", 999)
     assert off.propose_step([("x", [21, 22], 4)])[0].tokens == []
+
+
+def test_prior_step_cost_ignores_timings_and_rollouts_start_afresh():
+    store, cfg = _proposer(step_cost="prior")
+    p = DraftProposer(store, cfg)
+    for _ in range(50):
+        p.observe_step(8, 40, 5.0)
+    assert p.cost.coef == (cfg.step_cost_fixed_ms * 1e-3, cfg.step_cost_per_request_ms * 1e-3,
+                           cfg.step_cost_per_token_ms * 1e-3)
+    p.acceptance.observe("a", "history", [1.0] * 4, 4)
+    p.start_rollout()
+    assert p.acceptance.source_rate("history") == cfg.acceptance_prior
+    m = DraftProposer(store, dataclasses.replace(cfg, step_cost="measured"))
+    for _ in range(50):
+        m.observe_step(8, 40, 5.0)
+    assert m.cost.coef != p.cost.coef
