@@ -212,7 +212,8 @@ class HistoSpecMethod(Method):
                                  None if any(x is None for x in rewards) else rewards)
 
     def begin(self, rid, rec):
-        self.prop.begin(rid, prompt_key(_prompt_tokens(rec)), group=f"{self._epoch}:{rec.prompt_id}")
+        self.prop.begin(rid, prompt_key(_prompt_tokens(rec)), group=f"{self._epoch}:{rec.prompt_id}",
+                        prompt=rec.prompt_token_ids)
 
     def propose(self, rid, generated, max_len):
         d = self.prop.propose(rid, generated, max_len)

@@ -4,8 +4,8 @@ Draft sources (``SOURCES``), each a suffix automaton matched incrementally again
 request's generated tokens (a call costs O(tokens emitted + draft length) steps):
   history  the same prompt's responses from its last ``epochs_kept`` visits (store)
   group    the request's GRPO group in this step: siblings finished *and in flight*
-           (every request's emitted tokens are indexed as they arrive) and the
-           request's own output so far (``include_siblings``)
+           (every request's emitted tokens are indexed as they arrive), the request's
+           own output so far and the prompt (``include_siblings``)
   global   other prompts' responses, newest visit of each (``include_global``)
 Per request the chain with the most expected accepted tokens wins, expected under each
 source's online acceptance (``goodput.AcceptanceTracker``), so a source is weighted by
@@ -251,9 +251,11 @@ class DraftProposer:
         self._by_source = {src: [0, 0, 0] for src in SOURCES}  # drafts, proposed, accepted
 
     # -- request lifecycle ------------------------------------------------------------
-    def begin(self, req_id: str, key: int, group: str | None = None, predicted_len: float | None = None) -> None:
+    def begin(self, req_id: str, key: int, group: str | None = None, predicted_len: float | None = None,
+              prompt: Sequence[int] | None = None) -> None:
         """Start drafting for a request; ``predicted_len`` is its predicted response length
-        (HistoPipe's), which caps drafts near the predicted end (goodput rule)."""
+        (HistoPipe's), which caps drafts near the predicted end (goodput rule); ``prompt``
+        joins the group's index (answers copy numbers and phrases from their prompt)."""
         if req_id in self._reqs:  # a re-used id: retire the old request first
             self.end(req_id)
         r = _Req(key, group, predicted_len)
@@ -268,6 +270,9 @@ class DraftProposer:
             g = self._groups.get(group)
             if g is None:
                 g = self._groups[group] = _Group()
+                if prompt:
+                    # No START marker: the prompt is matched mid-text, never as a response's start.
+                    g.sam.push_at(0, [int(t) for t in prompt])
             g.members += 1
             r.sib = _Match(g.sam)
         if cfg.enabled and cfg.include_global:

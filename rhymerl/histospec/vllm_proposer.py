@@ -173,7 +173,8 @@ class HistoSpecProposer:
         if key is None:
             key = prompt_key(state.prompt_token_ids or [])
         pred = extra.get("rhymerl_pred_len")
-        self.core.begin(rid, int(key), extra.get("rhymerl_group"), None if pred is None else float(pred))
+        self.core.begin(rid, int(key), extra.get("rhymerl_group"), None if pred is None else float(pred),
+                        prompt=state.prompt_token_ids)
         self._live[rid] = [vid, 0]
         self._by_vllm_id[vid] = rid
         return rid

@@ -160,3 +160,10 @@ def test_prior_step_cost_ignores_timings_and_rollouts_start_afresh():
     for _ in range(50):
         m.observe_step(8, 40, 5.0)
     assert m.cost.coef != p.cost.coef
+
+
+def test_prompt_joins_the_group_index():
+    store, cfg = _proposer(include_global=False, draft_rule="fixed", fixed_len=3)
+    p = DraftProposer(store, cfg)
+    p.begin("a", 5, group="g", prompt=[40, 41, 42, 43, 44])
+    assert p.propose_step([("a", [9, 41], 3)])[0].tokens == [42, 43, 44]
