@@ -279,7 +279,9 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
         order = order[:1]
     else:
         method.observe(order[0], epochs[order[0]])
+    by_epoch_tf: dict[int, list[int]] = {}
     for ep in (order if cold else order[1:]):
+        tok0, fwd0 = tokens, forwards
         reqs = [(f"{ep}:{pid}:{r.sample_idx}", r) for pid, recs in sorted(epochs[ep].items()) for r in recs]
         for rid, rec in reqs:
             method.begin(rid, rec)
@@ -320,8 +322,10 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
                 else:
                     still.append((rid, rec))
             active = still
+        by_epoch_tf[ep] = [tokens - tok0, forwards - fwd0]
         method.observe(ep, epochs[ep])
     return {
+        "tokens_per_forward_by_epoch": {str(e): round(t / max(1, f), 4) for e, (t, f) in by_epoch_tf.items()},
         "tokens_per_forward": tokens / max(1, forwards),
         "mean_accepted_len": accepted / max(1, forwards),
         "acceptance_rate": accepted / max(1, proposed),

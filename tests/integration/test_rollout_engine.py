@@ -91,6 +91,9 @@ def test_greedy_histospec_equals_no_speculation(none_engine, hs_engine):
     assert [r.token_ids for r in second] == want
     assert m["draft_accepted"] > 0.5 * m["generated_tokens"], m
     assert m["tokens_per_forward"] > 2.0, m
+    # The goodput rule saw timed decode steps and reports its bypassed steps and sources.
+    assert m["step_cost/observed_steps"] > 0 and 0.0 <= m["steps_without_drafts_fraction"] < 1.0, m
+    assert m["history_served_fraction"] == 1.0 and m["source/history/drafts"] > 0, m
     # Accepted drafts still report the policy's log-probabilities.
     lp = second[0].responses[0].logprobs
     assert len(lp) == len(want[0][0])
