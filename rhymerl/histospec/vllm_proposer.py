@@ -85,6 +85,7 @@ class HistoSpecProposer:
         for i in range(n):
             sampled = sampled_token_ids[i]
             if not sampled:
+                decode_only = False  # a (chunked) prefill ran in this step: do not time it
                 continue  # still in (chunked) prefill, or discarded this step
             vid = req_ids[i]
             if vid is None:
