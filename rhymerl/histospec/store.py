@@ -10,7 +10,7 @@ checksummed binary file; the indexes are not saved (they are rebuilt from the to
 
 Indexes are built lazily, only for prompts about to be served: ``prebuild`` (a
 background thread the trainer starts for the next step's prompts, overlapping
-training) or on first use (``index``). A prompt's index is dropped whenever a visit is
+training; it also refreshes the cross-prompt index) or on first use (``index``). A prompt's index is dropped whenever a visit is
 added or evicted, and kept in the compact frozen form. Online (incremental) indexing
 is used where text arrives while requests draft from it: in-flight siblings
 (``DraftProposer``) and SuffixDecoding's per-request tree (bench baseline).
@@ -164,6 +164,7 @@ class HistoryStore:
         def work() -> None:
             for k in keys:
                 self.index(k)
+            self.global_index()
 
         if not background:
             work()
@@ -188,24 +189,32 @@ class HistoryStore:
         if not self.cfg.include_global or self.cfg.global_token_budget <= 0:
             return None
         if self._global_stale:
-            self._global = self._build_global()
-            self._global_stale = False
+            with self._lock:
+                if self._global_stale:
+                    self._global_stale = False
+                    self._global = self._build_global()
         return self._global
 
     def _build_global(self) -> Optional[FrozenSuffixAutomaton]:
         sam = SuffixAutomaton(online=False)
         budget = self.cfg.global_token_budget
         seen: set[int] = set()
+        # Take the newest visits' arrays under the lock, index them outside it (the arrays
+        # are never modified in place, so a concurrent add or eviction cannot hurt).
+        chosen: list[list[np.ndarray]] = []
+        total = 0
         with self._lock:
-            visits = list(self._budget)
-        for key, epoch in reversed(visits):
-            if key in seen:
-                continue
-            seen.add(key)
-            v = self._entries[key].visits[-1]
-            if sam.num_tokens + v.num_tokens > budget:
-                break
-            for r in v.responses:
+            for key, epoch in reversed(list(self._budget)):
+                if key in seen:
+                    continue
+                seen.add(key)
+                v = self._entries[key].visits[-1]
+                if total + v.num_tokens > budget:
+                    break
+                total += v.num_tokens
+                chosen.append(list(v.responses))
+        for responses in chosen:
+            for r in responses:
                 sam.add([START] + r.tolist())
         return sam.freeze() if sam.num_tokens else None
 
