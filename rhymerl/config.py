@@ -150,7 +150,7 @@ class HistoSpecConfig:
     step_cost_fixed_ms: float = 55.0
     step_cost_per_request_ms: float = 4.6
     step_cost_per_token_ms: float = 1.6
-    step_cost_prior_steps: float = 0.1
+    step_cost_prior_steps: float = 1.0
     # goodput rule: prior acceptance multiplier a (P(accept) = min(1, a * history prob)) and its weight.
     acceptance_prior: float = 0.5
     acceptance_prior_weight: float = 4.0

@@ -408,6 +408,11 @@ def _sum_engine_metrics(ms: list[dict]) -> dict:
     # Requests whose prompt had history; engine steps in which nobody drafted.
     out["history_served_fraction"] = tot["requests_with_history"] / tot["requests"] if tot["requests"] else 0.0
     out["steps_without_drafts_fraction"] = tot["steps_without_drafts"] / tot["steps"] if tot["steps"] else 0.0
+    # The fitted engine step-cost model (goodput draft lengths), averaged over instances.
+    for k in ("step_cost/fixed_ms", "step_cost/per_request_ms", "step_cost/per_token_ms"):
+        vals = [m[k] for m in ms if k in m]
+        if vals:
+            out[k] = float(sum(vals) / len(vals))
     out["acceptance"] = tot["draft_accepted"] / tot["draft_proposed"] if tot["draft_proposed"] else 0.0
     out["tokens_per_forward"] = tot["generated_tokens"] / tot["target_forwards"] if tot["target_forwards"] else 1.0
     return out

@@ -38,7 +38,13 @@ from typing import Optional, Sequence
 
 
 class StepCostModel:
-    """Online fit of seconds = fixed + per_request * R + per_token * T."""
+    """Online fit of seconds = fixed + per_request * R + per_token * T.
+
+    Fitted in the basis (1, R, D) with D = T - R the draft tokens, i.e. a cost per row
+    (per_request + per_token) and a cost per draft token (per_token): while drafts are
+    rare D carries no information and the ridge prior holds the draft-token cost, instead
+    of letting noise split one row's cost between two collinear columns.
+    """
 
     def __init__(self, fixed: float, per_request: float, per_token: float, prior_steps: float = 1.0,
                  decay: float = 0.999):
@@ -52,9 +58,10 @@ class StepCostModel:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"step cost decay must be in (0, 1] (got {decay})")
         self.prior = (float(fixed), float(per_request), float(per_token))
+        self._prior_basis = (float(fixed), float(per_request) + float(per_token), float(per_token))
         self.prior_steps = float(prior_steps)
         self.decay = float(decay)
-        # Weighted sums of x x^T and x y over observed steps, x = (1, R, T).
+        # Weighted sums of x x^T and x y over observed steps, x = (1, R, D).
         self._xx = [[0.0] * 3 for _ in range(3)]
         self._xy = [0.0] * 3
         self.num_observed = 0
@@ -64,13 +71,16 @@ class StepCostModel:
         """One engine step's measured duration (forward + sampling + scheduling)."""
         if num_requests <= 0 or num_scored_tokens < num_requests or not (seconds > 0 and math.isfinite(seconds)):
             return
-        x = (1.0, float(num_requests), float(num_scored_tokens))
+        x = (1.0, float(num_requests), float(num_scored_tokens - num_requests))
         d = self.decay
+        # Relative errors (weight 1/seconds^2): interference from other processes stretches
+        # steps multiplicatively, and a stretched step then counts for less.
+        w = 1.0 / (seconds * seconds)
         for i in range(3):
-            self._xy[i] = d * self._xy[i] + x[i] * seconds
+            self._xy[i] = d * self._xy[i] + w * x[i] * seconds
             row = self._xx[i]
             for j in range(3):
-                row[j] = d * row[j] + x[i] * x[j]
+                row[j] = d * row[j] + w * x[i] * x[j]
         self.num_observed += 1
         self._coef = None
 
@@ -82,22 +92,22 @@ class StepCostModel:
         return self._coef
 
     def _solve(self) -> tuple[float, float, float]:
-        # Ridge towards the prior, scaled to the observed magnitudes so it acts like
-        # ``prior_steps`` steps of the typical shape whatever the batch size.
+        # Ridge towards the prior, scaled to the observed magnitudes (at least one unit) so
+        # it weighs like ``prior_steps`` steps of the typical shape whatever the batch size.
         n = self._xx[0][0]
         if n <= 0:
             return self.prior
-        scale = [1.0, self._xx[1][1] / n, self._xx[2][2] / n]
-        lam = [self.prior_steps * s for s in scale]
+        lam = [self.prior_steps * max(1.0, self._xx[i][i] / n) for i in range(3)]
         a = [[self._xx[i][j] + (lam[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
-        b = [self._xy[i] + lam[i] * self.prior[i] for i in range(3)]
+        b = [self._xy[i] + lam[i] * self._prior_basis[i] for i in range(3)]
         sol = _solve3(a, b)
         if sol is None:
             return self.prior
-        fixed, per_req, per_tok = sol
-        # A negative coefficient is a fitting artefact (collinear steps): clamp, keep the
-        # per-token cost strictly positive so drafting is never free.
-        return (max(0.0, fixed), max(0.0, per_req), max(per_tok, 1e-3 * self.prior[2]))
+        fixed, per_row, per_tok = sol
+        # Negative coefficients are fitting artefacts: clamp, and keep the draft-token cost
+        # strictly positive so drafting is never free.
+        per_tok = max(per_tok, 1e-3 * self.prior[2])
+        return (max(0.0, fixed), max(0.0, per_row - per_tok), per_tok)
 
     def predict(self, num_requests: int, num_scored_tokens: int) -> float:
         f, r, t = self.coef
