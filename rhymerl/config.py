@@ -141,6 +141,8 @@ class HistoSpecConfig:
     # of every prompt, at most ``global_token_budget`` tokens, newest first).
     include_global: bool = True
     global_token_budget: int = 2_000_000
+    # The shared index holds every kept visit (up to epochs_kept per prompt), not only the newest.
+    global_all_visits: bool = False
     # goodput rule: "measured" refits the engine step-time model from measured steps as the
     # engine runs; draft lengths then depend on timings, so a sampled run is reproduced in
     # distribution, not token for token (greedy runs are exact either way). "prior" keeps

@@ -205,10 +205,10 @@ class HistoryStore:
         total = 0
         with self._lock:
             for key, epoch in reversed(list(self._budget)):
-                if key in seen:
+                if key in seen and not self.cfg.global_all_visits:
                     continue
                 seen.add(key)
-                v = self._entries[key].visits[-1]
+                v = next(x for x in self._entries[key].visits if x.epoch == epoch)
                 if total + v.num_tokens > budget:
                     break
                 total += v.num_tokens
