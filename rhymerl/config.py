@@ -108,8 +108,9 @@ class RolloutConfig:
 @dataclass
 class HistoSpecConfig:
     enabled: bool = True
-    # How many past visits (epochs) of a prompt are kept as draft source.
-    epochs_kept: int = 1
+    # How many past visits (epochs) of a prompt are kept as draft source (3: DAS-style window;
+    # +2.6% tokens per forward over 1 on the reasoning default's traces, bench histospec).
+    epochs_kept: int = 3
     # Global bound on stored history tokens (oldest epochs are evicted first). 0 = sized
     # from the dataset and the memory at hand (histospec/budget.py): every prompt's last
     # ``epochs_kept`` visits when they fit in ``memory_fraction`` of the node's available
@@ -142,7 +143,7 @@ class HistoSpecConfig:
     include_global: bool = True
     global_token_budget: int = 2_000_000
     # The shared index holds every kept visit (up to epochs_kept per prompt), not only the newest.
-    global_all_visits: bool = False
+    global_all_visits: bool = True
     # goodput rule: "measured" refits the engine step-time model from measured steps as the
     # engine runs; draft lengths then depend on timings, so a sampled run is reproduced in
     # distribution, not token for token (greedy runs are exact either way). "prior" keeps
