@@ -148,7 +148,7 @@ class HistoSpecConfig:
     # engine runs; draft lengths then depend on timings, so a sampled run is reproduced in
     # distribution, not token for token (greedy runs are exact either way). "prior" keeps
     # the coefficients below: token-exact replays and resumes of sampled runs.
-    step_cost: Literal["measured", "prior"] = "measured"
+    step_cost: Literal["measured", "prior"] = "prior"
     # goodput rule: prior of the engine step-time model; only the ratios matter.
     step_cost_fixed_ms: float = 55.0
     step_cost_per_request_ms: float = 4.6
