@@ -39,6 +39,7 @@ from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
 from rhymerl.histospec.acceptance import accepted_prefix, accepted_tree_path
 from rhymerl.histospec.baselines import NgramDrafter, SuffixDecodingDrafter
+from rhymerl.histospec.proposer import SOURCES
 from rhymerl.histospec.synthetic import synthetic_trace
 from rhymerl.traces import TraceRecord, by_epoch, read_trace
 
@@ -129,6 +130,68 @@ class SuffixMethod(Method):
         return g.memory_bytes() / max(1, g.num_tokens)
 
 
+class ArcticSuffixMethod(Method):
+    """vLLM's ``suffix`` method exactly: arctic-inference's SuffixDecodingCache driven as
+    ``vllm/v1/spec_decode/suffix_decoding.py`` drives it (per-request tree over prompt +
+    output, global tree over every request's output added as it is generated, at most
+    ``max_cached_requests`` responses, pattern = the last ``max_tree_depth`` tokens of
+    prompt + output, vLLM's defaults)."""
+
+    name = "suffix"
+
+    def __init__(self, max_len: int, max_tree_depth: int = 24, max_cached_requests: int = 10000,
+                 max_spec_factor: float = 1.0, min_token_prob: float = 0.1):
+        from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+        self.cache = SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests)
+        self.depth, self.factor, self.min_prob = max_tree_depth, max_spec_factor, min_token_prob
+        self._ctx: dict[str, list[int]] = {}
+        self._seen: dict[str, int] = {}
+        self._warm = False
+
+    def observe(self, epoch, groups):
+        if self._warm:
+            return  # later epochs entered the cache while they were generated
+        self._warm = True
+        for pid, recs in groups.items():
+            for r in recs:
+                rid = f"warm:{epoch}:{pid}:{r.sample_idx}"
+                self.cache.start_request(rid, _prompt_tokens(r))
+                self.cache.add_active_response(rid, r.token_ids)
+                self.cache.stop_request(rid)
+
+    def begin(self, rid, rec):
+        prompt = _prompt_tokens(rec)
+        self.cache.start_request(rid, prompt)
+        self._ctx[rid] = list(prompt)
+        self._seen[rid] = 0
+
+    def propose(self, rid, generated, max_len):
+        new = generated[self._seen[rid]:]
+        self._seen[rid] = len(generated)
+        ctx = self._ctx[rid]
+        if new:
+            self.cache.add_active_response(rid, new)
+            ctx.extend(new)
+        d = self.cache.speculate(rid, ctx[-self.depth:], max_spec_tokens=max_len, max_spec_factor=self.factor,
+                                 min_token_prob=self.min_prob)
+        return list(d.token_ids), None
+
+    def end(self, rid, rec):
+        new = rec.token_ids[self._seen.pop(rid):]
+        if new:
+            self.cache.add_active_response(rid, new)
+        self.cache.stop_request(rid)
+        self._ctx.pop(rid)
+
+
+def _suffix_method(max_len: int) -> Method:
+    try:
+        return ArcticSuffixMethod(max_len)
+    except ImportError:
+        return SuffixMethod(max_len)
+
+
 class HistoSpecMethod(Method):
     def __init__(self, cfg: HistoSpecConfig, name: str):
         self.name = name
@@ -137,25 +200,30 @@ class HistoSpecMethod(Method):
         self.prop = DraftProposer(self.store, cfg)
         self._epoch = -1
 
-    build_s = 0.0
-    built_tokens = 0
+    _index_bytes = 0.0
 
     def observe(self, epoch, groups):
         self._epoch = epoch + 1
-        t0 = time.thread_time()
-        self.built_tokens += sum(len(r.token_ids) for recs in groups.values() for r in recs)
+        # Indexes built while this epoch was drafted; adding the epoch drops them.
+        self._index_bytes = self.store.build_cost()["index_bytes_per_token"] or self._index_bytes
         for pid, recs in groups.items():
             rewards = [r.reward for r in recs]
             self.store.add_group(prompt_key(_prompt_tokens(recs[0])), epoch, [r.token_ids for r in recs],
                                  None if any(x is None for x in rewards) else rewards)
-        self.build_s += time.thread_time() - t0
 
     def begin(self, rid, rec):
-        self.prop.begin(rid, prompt_key(_prompt_tokens(rec)), group=f"{self._epoch}:{rec.prompt_id}")
+        self.prop.begin(rid, prompt_key(_prompt_tokens(rec)), group=f"{self._epoch}:{rec.prompt_id}",
+                        prompt=rec.prompt_token_ids)
 
     def propose(self, rid, generated, max_len):
         d = self.prop.propose(rid, generated, max_len)
         return d.tokens, (d.parents if self.cfg.tree else None)
+
+    def propose_step(self, items):
+        return [(d.tokens, d.parents if self.cfg.tree else None) for d in self.prop.propose_step(items)]
+
+    def observe_step(self, num_requests, num_scored_tokens, seconds):
+        self.prop.observe_step(num_requests, num_scored_tokens, seconds)
 
     def feedback(self, rid, proposed, accepted):
         self.prop.feedback(rid, proposed, accepted)
@@ -164,17 +232,35 @@ class HistoSpecMethod(Method):
         self.prop.end(rid, rec.token_ids)
 
     def index_bytes_per_token(self):
-        return self.store.index_memory_bytes() / max(1, self.store.num_tokens)
+        return self._index_bytes
 
     def extra(self) -> dict:
-        return {"index_build_us_per_token": 1e6 * self.build_s / max(1, self.built_tokens)}
+        st = self.prop.stats()
+        out = {"index_build_us_per_token": self.store.build_cost()["index_build_us_per_token"],
+               "steps_without_drafts_fraction": st["steps_without_drafts_fraction"]}
+        for src in SOURCES:
+            out[f"by_source/{src}/drafts"] = st[f"source/{src}/drafts"]
+            out[f"by_source/{src}/accepted"] = st[f"source/{src}/accepted"]
+            out[f"by_source/{src}/acceptance"] = st[f"source/{src}/accepted"] / max(1, st[f"source/{src}/proposed"])
+        return out
 
 
 # -- replay -------------------------------------------------------------------------------
 
 
+@dataclasses.dataclass
+class StepTime:
+    """Modelled engine step time (seconds) = fixed + per_request * R + per_token * scored tokens."""
+    fixed: float = 0.055
+    per_request: float = 0.0046
+    per_token: float = 0.0016
+
+    def __call__(self, num_requests: int, num_scored_tokens: int) -> float:
+        return self.fixed + self.per_request * num_requests + self.per_token * num_scored_tokens
+
+
 def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], max_len: int,
-             cold: bool = False) -> dict:
+             cold: bool = False, step_time: Optional[StepTime] = None) -> dict:
     """Replay epochs >= 1 of a trace in engine order: each round drafts for every
     running request, verifies, feeds back, then retires finished requests.
 
@@ -185,12 +271,17 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
     order = sorted(epochs)
     tokens = forwards = accepted = proposed = drafted = 0
     t_draft = 0.0
+    step_time = step_time or StepTime()
+    modelled_s = 0.0
+    stepwise = hasattr(method, "propose_step")
     clock = time.thread_time
     if cold:
         order = order[:1]
     else:
         method.observe(order[0], epochs[order[0]])
+    by_epoch_tf: dict[int, list[int]] = {}
     for ep in (order if cold else order[1:]):
+        tok0, fwd0 = tokens, forwards
         reqs = [(f"{ep}:{pid}:{r.sample_idx}", r) for pid, recs in sorted(epochs[ep].items()) for r in recs]
         for rid, rec in reqs:
             method.begin(rid, rec)
@@ -199,8 +290,16 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
         while active:
             gens = [rec.token_ids[:pos[rid]] for rid, rec in active]
             t0 = clock()
-            drafts = [method.propose(rid, g, max_len) for (rid, _), g in zip(active, gens)]
+            if stepwise:
+                drafts = method.propose_step([(rid, g, max_len) for (rid, _), g in zip(active, gens)])
+            else:
+                drafts = [method.propose(rid, g, max_len) for (rid, _), g in zip(active, gens)]
             t_draft += clock() - t0
+            scored = len(active) + sum(len(d) for d, _ in drafts)
+            secs = step_time(len(active), scored)
+            modelled_s += secs
+            if stepwise:
+                method.observe_step(len(active), scored, secs)
             acc = []
             for (rid, rec), (draft, parents) in zip(active, drafts):
                 rest = rec.token_ids[pos[rid]:]
@@ -223,8 +322,10 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
                 else:
                     still.append((rid, rec))
             active = still
+        by_epoch_tf[ep] = [tokens - tok0, forwards - fwd0]
         method.observe(ep, epochs[ep])
     return {
+        "tokens_per_forward_by_epoch": {str(e): round(t / max(1, f), 4) for e, (t, f) in by_epoch_tf.items()},
         "tokens_per_forward": tokens / max(1, forwards),
         "mean_accepted_len": accepted / max(1, forwards),
         "acceptance_rate": accepted / max(1, proposed),
@@ -235,6 +336,7 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
         "index_kb_per_1k_tokens": method.index_bytes_per_token(),
         "generated_tokens": tokens,
         "forwards": forwards,
+        "modelled_step_time_s": modelled_s,
         **method.extra(),
     }
 
@@ -281,18 +383,54 @@ def time_tiny_forward(batch: int, draft_tokens: int, context: int = 128) -> Opti
             "verify_forward_us": median_step(1 + draft_tokens), "torch_threads": torch.get_num_threads()}
 
 
+BUILD_US_TARGET = 1.0
+BYTES_TARGET = 40
+
+
+def index_build_cost(epochs: dict[int, dict[str, list[TraceRecord]]]) -> dict:
+    """Per-prompt history index build cost over every epoch's groups: CPU time and resident
+    size per history token, for the store's index and (when installed) arctic-inference's
+    compiled SuffixTree, plus what the store itself keeps per token (int32 ids)."""
+    groups = [[r.token_ids for r in recs] for ep in sorted(epochs) for recs in epochs[ep].values()]
+    ntok = sum(len(t) for g in groups for t in g)
+    store = HistoryStore(dataclasses.replace(HistoSpecConfig(), token_budget=max(1, ntok)))
+    for i, g in enumerate(groups):
+        store.add_group(i, 0, g)
+    store.prebuild(range(len(groups)), background=False)
+    c = store.build_cost()
+    out = {"history_tokens": ntok, "store_bytes_per_token": c["stored_bytes_per_token"],
+           "suffix_automaton": {"build_us_per_token": round(c["index_build_us_per_token"], 3),
+                                "bytes_per_token": round(c["index_bytes_per_token"], 1)}}
+    try:
+        from arctic_inference.suffix_decoding._C import SuffixTree
+    except ImportError:
+        return out
+    t0 = time.thread_time()
+    trees = []
+    for g in groups:
+        tree = SuffixTree(64)
+        for j, t in enumerate(g):
+            tree.extend(j, t)
+        trees.append(tree)
+    dt = time.thread_time() - t0
+    out["arctic_suffix_tree_depth64"] = {"build_us_per_token": round(1e6 * dt / max(1, ntok), 3),
+                                         "bytes_per_token": round(sum(t.estimate_memory() for t in trees) / max(1, ntok), 1)}
+    return out
+
+
 def _table(title: str, rows: dict[str, dict], cols: list[str]) -> str:
     w = max(len(k) for k in rows) + 2
     lines = [title, "".ljust(w) + "".join(c[:18].rjust(19) for c in cols)]
     for k, m in rows.items():
-        lines.append(k.ljust(w) + "".join(f"{m[c]:19.3f}" if isinstance(m[c], float) else f"{m[c]:>19}" for c in cols))
+        lines.append(k.ljust(w) + "".join(f"{m[c]:19.3f}" if isinstance(m.get(c), float) else f"{m.get(c, '-'):>19}"
+                                          for c in cols))
     return "\n".join(lines)
 
 
 RECOMMENDED = {"min_match": 1, "start_after": 0}
 
 COLS = ["tokens_per_forward", "mean_accepted_len", "acceptance_rate", "draft_tokens_per_forward",
-        "draft_us_per_token", "draft_us_per_call", "index_kb_per_1k_tokens", "modelled_speedup"]
+        "draft_us_per_token", "draft_us_per_call", "index_kb_per_1k_tokens", "modelled_wall_speedup"]
 
 
 def main(argv: list[str]) -> int:
@@ -308,6 +446,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-len", type=int, default=16, help="draft tokens per step the engine allows (num_speculative_tokens)")
     ap.add_argument("--verify-cost", type=float, default=0.05,
                     help="cost of one extra verified token relative to a decode step (modelled_speedup)")
+    ap.add_argument("--step-fixed-ms", type=float, default=55.0,
+                    help="modelled engine step: fixed cost (ms); defaults are the CPU engine's measured costs")
+    ap.add_argument("--step-per-request-ms", type=float, default=4.6, help="modelled engine step: cost per request (ms)")
+    ap.add_argument("--step-per-token-ms", type=float, default=1.6, help="modelled engine step: cost per scored token (ms)")
     ap.add_argument("--tree-nodes", type=int, default=32, help="node budget of histospec_tree")
     ap.add_argument("--ablations", choices=["none", "quick", "full"], default="quick")
     ap.add_argument("--no-forward-timing", action="store_true", help="skip timing the tiny model's forward (no torch import)")
@@ -333,8 +475,16 @@ def main(argv: list[str]) -> int:
     chain_cfg = dataclasses.replace(base, max_draft=args.max_len, **RECOMMENDED)
     tree_cfg = dataclasses.replace(chain_cfg, tree=True, tree_nodes=args.tree_nodes)
 
+    step_time = StepTime(args.step_fixed_ms * 1e-3, args.step_per_request_ms * 1e-3, args.step_per_token_ms * 1e-3)
+    none_s: list[float] = []
+
     def run(method: Method, max_len: int = args.max_len) -> dict:
-        return _finish(simulate(method, epochs, max_len), args.verify_cost)
+        m = simulate(method, epochs, max_len, step_time=step_time)
+        if not none_s:
+            none_s.append(m["modelled_step_time_s"])
+        # Rollout wall time under the step-time model, none / method (> 1 = faster).
+        m["modelled_wall_speedup"] = none_s[0] / max(1e-12, m["modelled_step_time_s"])
+        return _finish(m, args.verify_cost)
 
     done: dict[tuple, dict] = {}
 
@@ -348,12 +498,14 @@ def main(argv: list[str]) -> int:
     methods = {
         "none": run(Method()),
         "ngram": run(NgramMethod(2, 5)),
-        "suffix": run(SuffixMethod(args.max_len)),
+        "suffix": run(_suffix_method(args.max_len)),
         "histospec_chain": run_hs(chain_cfg, args.max_len),
         "histospec_tree": run(HistoSpecMethod(tree_cfg, "histospec_tree"), max_len=tree_cfg.tree_nodes),
     }
     methods["ngram"]["params"] = "prompt_lookup_min=2, prompt_lookup_max=5 (vLLM default 5/5 in ablations)"
-    methods["suffix"]["params"] = "re-implementation (arctic-inference not installed): max_depth 24, spec_factor 1, min_token_prob 0.1"
+    methods["suffix"]["params"] = ("vLLM suffix via arctic-inference: " if isinstance(_suffix_method(1), ArcticSuffixMethod)
+                                   else "re-implementation (arctic-inference not installed): ") + \
+        "max_tree_depth 24, max_spec_factor 1, min_token_prob 0.1"
     methods["histospec_tree"]["params"] = f"tree_nodes={tree_cfg.tree_nodes}, tree_topk={tree_cfg.tree_topk}"
 
     ablations: dict[str, dict[str, dict]] = {}
@@ -376,12 +528,25 @@ def main(argv: list[str]) -> int:
                                     for s in ((0, 4, 8) if args.ablations == "full" else (0, 4))}
         ablations["branch"] = {b: hs(b, branch=b) for b in ("frequency", "reward")}
         ablations["siblings"] = {f"include_siblings_{s}": hs(f"sib{s}", include_siblings=s) for s in (True, False)}
+        # Which source contributes what: each alone, and all but one.
+        only = {"history": dict(include_siblings=False, include_global=False),
+                "group": dict(include_history=False, include_global=False),
+                "global": dict(include_history=False, include_siblings=False)}
+        srcs = {f"only_{k}": hs(f"only{k}", **kw) for k, kw in only.items()}
+        srcs["without_history"] = hs("nohist", include_history=False)
+        srcs["without_group"] = hs("nogroup", include_siblings=False)
+        srcs["without_global"] = hs("noglobal", include_global=False)
+        srcs["all"] = hs("all")
+        ablations["sources"] = srcs
+        ablations["epochs_kept"] = {f"epochs_kept_{k}": hs(f"ek{k}", epochs_kept=k) for k in (1, 2, 3, 4)}
+        ablations["draft_rule_goodput_vs_adaptive"] = {
+            "goodput": hs("gp"), "adaptive": hs("ad", draft_rule="adaptive")}
         cold = {}
         for sib in (True, False):
             cfg = dataclasses.replace(chain_cfg, include_siblings=sib)
             cold[f"histospec_chain, include_siblings={sib}"] = _finish(
                 simulate(HistoSpecMethod(cfg, "cold"), epochs, args.max_len, cold=True), args.verify_cost)
-        cold["suffix"] = _finish(simulate(SuffixMethod(args.max_len), epochs, args.max_len, cold=True), args.verify_cost)
+        cold["suffix"] = _finish(simulate(_suffix_method(args.max_len), epochs, args.max_len, cold=True), args.verify_cost)
         ablations["cold_start_first_epoch"] = cold
         ablations["ngram_params"] = {"ngram[5,5] (vLLM default)": run(NgramMethod(5, 5))}
         if args.ablations == "full":
@@ -389,7 +554,6 @@ def main(argv: list[str]) -> int:
             ablations["min_prob"] = {f"min_prob_{p}": hs(f"mp{p}", min_prob=p) for p in (0.0, 0.1, 0.3)}
             ablations["tree_nodes"] = {f"tree_nodes_{k}": run(HistoSpecMethod(dataclasses.replace(tree_cfg, tree_nodes=k), "t"), k)
                                        for k in (16, 32, 64)}
-            ablations["epochs_kept"] = {f"epochs_kept_{k}": hs(f"ek{k}", epochs_kept=k) for k in (1, 2)}
 
     # Drafting cost vs a target forward: one decode step drafts for every running request.
     batch = 32
@@ -411,17 +575,29 @@ def main(argv: list[str]) -> int:
 
     order_ok = (methods["histospec_tree"]["tokens_per_forward"] >= methods["histospec_chain"]["tokens_per_forward"]
                 >= methods["suffix"]["tokens_per_forward"] >= methods["ngram"]["tokens_per_forward"] >= 1.0)
+    history_index = index_build_cost(epochs)
     result = {"methods": methods, "ablations": ablations, "cost": cost, "source": source,
+              "history_index": history_index,
               "ordering_tree>=chain>=suffix>=ngram>=1": order_ok,
               "histospec_settings": {k: getattr(chain_cfg, k) for k in ("draft_rule", "max_draft", "match_window", "min_match",
                                                               "min_prob", "start_after", "branch", "include_siblings",
-                                                              "epochs_kept")},
+                                                              "include_global", "epochs_kept")},
               "wall_s": round(time.perf_counter() - t_start, 2)}
 
     print(_table("HistoSpec offline replay (greedy-exact; identical for sampled one-hot drafts)", methods, COLS), file=sys.stderr)
     for name, rows in ablations.items():
         print("", file=sys.stderr)
         print(_table(f"ablation: {name}", rows, COLS), file=sys.stderr)
+    chain = methods["histospec_chain"]
+    by_src = {src: {"drafts": chain[f"by_source/{src}/drafts"],
+                    "accepted_per_forward": chain[f"by_source/{src}/accepted"] / max(1, chain["forwards"]),
+                    "acceptance_rate": chain[f"by_source/{src}/acceptance"]} for src in SOURCES}
+    result["histospec_chain_by_source"] = by_src
+    print("", file=sys.stderr)
+    print(_table("histospec_chain by draft source (tokens per forward = 1 + sum of accepted_per_forward)", by_src,
+                 ["drafts", "accepted_per_forward", "acceptance_rate"]), file=sys.stderr)
+    print(f"\nhistory index build (targets <= {BUILD_US_TARGET} us and <= {BYTES_TARGET} B per history token): "
+          f"{json.dumps(history_index)}", file=sys.stderr)
     print(f"\ndrafting cost: {json.dumps(cost)}\nordering tree>=chain>=suffix>=ngram>=1: {order_ok}"
           f"\nwall {result['wall_s']} s", file=sys.stderr)
     if args.json:

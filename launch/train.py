@@ -88,7 +88,7 @@ def _trace_rows(trainer, out) -> list[dict]:
     """One rhymerl.traces row per response of the step."""
     recs = trainer.last_batch_records
     return [{"prompt_id": recs[s.group].id, "epoch": out.epoch, "sample_idx": s.sample_idx, "token_ids": s.token_ids,
-             "logprobs": s.logprobs, "reward": s.reward} for s in out.samples]
+             "logprobs": s.logprobs, "reward": s.reward, "prompt_token_ids": s.prompt_ids} for s in out.samples]
 
 
 def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int:

@@ -119,17 +119,24 @@ class RolloutConfig:
 @dataclass
 class HistoSpecConfig:
     enabled: bool = True
-    # How many past visits (epochs) of a prompt are kept as draft source.
-    epochs_kept: int = 1
-    # Global bound on stored history tokens; oldest epochs are evicted first.
-    token_budget: int = 50_000_000
+    # How many past visits (epochs) of a prompt are kept as draft source (3: DAS-style window;
+    # +2.6% tokens per forward over 1 on the reasoning default's traces, bench histospec).
+    epochs_kept: int = 3
+    # Global bound on stored history tokens (oldest epochs are evicted first). 0 = sized
+    # from the dataset and the memory at hand (histospec/budget.py): every prompt's last
+    # ``epochs_kept`` visits when they fit in ``memory_fraction`` of the node's available
+    # memory, shared by the node's ranks.
+    token_budget: int = 0
+    memory_fraction: float = 0.25
     match_window: int = 7
     # 1 and 0 beat the release's 4 and 4 on every similarity measured (bench histospec).
     min_match: int = 1
     min_prob: float = 0.1
     # Do not speculate before a request has generated this many tokens.
     start_after: int = 0
-    draft_rule: Literal["fixed", "aimd", "mimd", "adaptive"] = "adaptive"
+    # goodput: per engine step, the draft lengths that maximise expected tokens per second
+    # (histospec/goodput.py); the other rules size each request's draft on its own.
+    draft_rule: Literal["fixed", "aimd", "mimd", "adaptive", "goodput"] = "goodput"
     # The adaptive rule drafts past its window while the history's path probability stays above this.
     adaptive_conf: float = 0.6
     fixed_len: int = 8
@@ -138,8 +145,33 @@ class HistoSpecConfig:
     tree_nodes: int = 16
     tree_topk: int = 2
     branch: Literal["frequency", "reward"] = "frequency"
+    # Draft from the same prompt's earlier visits (the last ``epochs_kept``).
+    include_history: bool = True
     # Also draft from in-flight sibling responses of the same GRPO group.
     include_siblings: bool = True
+    # Also draft from other prompts' responses (one shared index over the newest visit
+    # of every prompt, at most ``global_token_budget`` tokens, newest first).
+    include_global: bool = True
+    global_token_budget: int = 2_000_000
+    # The shared index holds every kept visit (up to epochs_kept per prompt), not only the newest.
+    global_all_visits: bool = True
+    # goodput rule: "measured" refits the engine step-time model from measured steps as the
+    # engine runs; draft lengths then depend on timings, so a sampled run is reproduced in
+    # distribution, not token for token (greedy runs are exact either way). "prior" keeps
+    # the coefficients below: token-exact replays and resumes of sampled runs.
+    step_cost: Literal["measured", "prior"] = "prior"
+    # goodput rule: prior of the engine step-time model; only the ratios matter.
+    step_cost_fixed_ms: float = 55.0
+    step_cost_per_request_ms: float = 4.6
+    step_cost_per_token_ms: float = 1.6
+    step_cost_prior_steps: float = 1.0
+    # goodput rule: prior acceptance multiplier a (P(accept) = min(1, a * history prob)) and its weight.
+    acceptance_prior: float = 0.5
+    acceptance_prior_weight: float = 4.0
+    # goodput rule: drafts stop at length_margin x the predicted response length (0 = no cap).
+    length_margin: float = 1.5
+    # goodput rule: a draft token is proposed only if its survival probability exceeds this.
+    min_gain: float = 0.0
 
 
 @dataclass
@@ -652,6 +684,17 @@ def check_static(cfg: RunConfig) -> None:
     _require(h.max_draft >= 1, "histospec.max_draft", "must be >= 1")
     _require(0 < h.adaptive_conf <= 1, "histospec.adaptive_conf", "must be in (0, 1]")
     _require(h.tree_nodes >= 1, "histospec.tree_nodes", "must be >= 1")
+    _require(h.global_token_budget >= 0, "histospec.global_token_budget", "must be >= 0")
+    _require(h.token_budget >= 0, "histospec.token_budget", "must be >= 0 (0 = sized from the dataset and memory)")
+    _require(0 < h.memory_fraction <= 1, "histospec.memory_fraction", "must be in (0, 1]")
+    for name in ("step_cost_fixed_ms", "step_cost_per_request_ms"):
+        _require(getattr(h, name) >= 0, f"histospec.{name}", "must be >= 0")
+    _require(h.step_cost_per_token_ms > 0, "histospec.step_cost_per_token_ms", "must be > 0")
+    _require(h.step_cost_prior_steps > 0, "histospec.step_cost_prior_steps", "must be > 0")
+    _require(0 < h.acceptance_prior <= 1, "histospec.acceptance_prior", "must be in (0, 1]")
+    _require(h.acceptance_prior_weight > 0, "histospec.acceptance_prior_weight", "must be > 0")
+    _require(h.length_margin >= 0, "histospec.length_margin", "must be >= 0 (0 = no cap)")
+    _require(0 <= h.min_gain < 1, "histospec.min_gain", "must be in [0, 1)")
     _require(cfg.histopipe.num_groups >= 1, "histopipe.num_groups", "must be >= 1")
     _require(cfg.histopipe.straggler_z > 0, "histopipe.straggler_z", "must be > 0")
     _require(cfg.histopipe.lane_batch >= 1, "histopipe.lane_batch", "must be >= 1")

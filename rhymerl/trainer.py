@@ -18,7 +18,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -99,7 +99,8 @@ class Trainer:
         self.prompt_keys = [prompt_key(p) for p in self.prompt_ids]
         self.sampler = EpochSampler(len(self.records), cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
 
-        self.history = HistoryStore(cfg.histospec, vocab_size=len(self.tokenizer))
+        self.history_budget = _history_budget(cfg, len(self.records))
+        self.history = HistoryStore(cfg.histospec, vocab_size=len(self.tokenizer), token_budget=self.history_budget)
         self.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
         # One rollout instance per rollout.tensor_parallel consecutive ranks (one vLLM engine
         # across them); every rank of an instance runs the same requests.
@@ -112,9 +113,12 @@ class Trainer:
             self.planner = NoopPlanner(self.num_instances)
         from rhymerl.histopipe.live import unused_keys
 
-        for key in unused_keys(cfg.histopipe):
-            log.warning("%s is set but not used (histopipe.enabled=%s, histopipe.live=%s)", key,
-                        cfg.histopipe.enabled, cfg.histopipe.live)
+        # The live driver moves requests between engines, one per rank: with a single instance
+        # there is nothing to move, and a TP engine spans ranks; both are dispatched per call.
+        self.live_dispatch = (cfg.histopipe.enabled and cfg.histopipe.live and rtp == 1 and self.num_instances > 1)
+        for key in unused_keys(cfg.histopipe, self.live_dispatch):
+            log.warning("%s is set but not used (histopipe.enabled=%s, live dispatch=%s)", key,
+                        cfg.histopipe.enabled, self.live_dispatch)
 
         # Log-probs at the sampling temperature: the distribution the responses came from.
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
@@ -191,7 +195,7 @@ class Trainer:
 
         self.step = int(blobs["step"])
         self.sampler.load_state_dict(blobs["sampler"])
-        self.history = HistoryStore.from_bytes(blobs["history"], self.cfg.histospec)
+        self.history = HistoryStore.from_bytes(blobs["history"], self.cfg.histospec, token_budget=self.history_budget)
         self.engine.set_history(self.history)
         self.predictor.load_state_dict(blobs["predictor"])
         self.planner.load_state_dict(blobs["planner"])
@@ -209,8 +213,7 @@ class Trainer:
         from rhymerl.rollout import SamplingSpec
 
         cfg = self.cfg
-        # The live driver runs one engine per rank; a TP engine spans ranks and is dispatched per call.
-        if cfg.histopipe.enabled and cfg.histopipe.live and cfg.rollout.tensor_parallel == 1:
+        if self.live_dispatch:
             from rhymerl.histopipe.live import trainer_rollout
 
             return trainer_rollout(self, batch_indices, epoch, round_)
@@ -232,7 +235,8 @@ class Trainer:
         # Engines in vLLM's lock-step (several TP instances) step even without requests.
         gid = f"{self.step}:" if round_ == 0 else f"{self.step}.{round_}:"
         results = self.engine.generate(prompts, 1, spec, group_ids=[f"{gid}{g}" for g, _ in mine], epoch=epoch,
-                                       record_history=False) if prompts or self.engine.lockstep else []
+                                       record_history=False, predicted_lengths=self._spec_lengths(plan, mine, batch_indices)
+                                       ) if prompts or self.engine.lockstep else []
         t_gen = time.perf_counter() - t1
         local = []
         for (g, s), res in zip(mine, results):
@@ -272,6 +276,22 @@ class Trainer:
         for g in actual:
             self.predictor.observe(self.prompt_keys[batch_indices[g]], actual[g])
         return samples, metrics
+
+    def _prebuild_next_indexes(self) -> None:
+        """Index the next step's prompts in a background thread, overlapping training (the
+        index of a prompt is otherwise built when its first request starts drafting)."""
+        if self.cfg.rollout.speculative != "histospec":
+            return
+        import copy
+
+        nxt = copy.deepcopy(self.sampler).next_batch().indices
+        self.history.prebuild([self.prompt_keys[i] for i in nxt])
+
+    def _spec_lengths(self, plan: Any, mine: list, batch_indices: list[int]) -> list[Optional[float]]:
+        """HistoPipe's predicted length per request, where the prompt has history (HistoSpec
+        drafts nothing past a response's predicted end); None elsewhere."""
+        return [plan.predicted.get(g) if self.history.has(self.prompt_keys[batch_indices[g]]) else None
+                for g, _ in mine]
 
     def _record_history(self, samples: list[Sample], batch_indices: list[int], epoch: int) -> None:
         """Every rank adds every group of the step (all instances' responses, with rewards),
@@ -392,6 +412,7 @@ class Trainer:
         samples, metrics = self._rollout(idx, batch.epoch)
         metrics.update(self._score(samples, idx))
         self._record_history(samples, idx, batch.epoch)
+        self._prebuild_next_indexes()
         scored = samples
         if self.ds_buffer is not None:
             samples, idx, scored, ds_m = self._dynamic_sampling(samples, idx, batch.epoch, metrics)
@@ -470,7 +491,8 @@ class Trainer:
 
 # Figures of one rollout batch that add up over DAPO's refill rounds; ratios are recomputed.
 _ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "rollout/responses", "rollout/generated_tokens")
-_ADDITIVE_SPEC = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s")
+_ADDITIVE_SPEC = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s",
+                  "requests", "requests_with_history", "steps", "steps_without_drafts")
 
 
 def merge_round_metrics(into: dict, extra: dict, rounds: int) -> None:
@@ -493,6 +515,30 @@ def _sum_engine_metrics(ms: list[dict]) -> dict:
     keys = _ADDITIVE_SPEC
     tot = {k: float(sum(m.get(k, 0) for m in ms)) for k in keys}
     out = dict(tot)
+    # Requests whose prompt had history; engine steps in which nobody drafted.
+    out["history_served_fraction"] = tot["requests_with_history"] / tot["requests"] if tot["requests"] else 0.0
+    out["steps_without_drafts_fraction"] = tot["steps_without_drafts"] / tot["steps"] if tot["steps"] else 0.0
+    # The fitted engine step-cost model (goodput draft lengths), averaged over instances.
+    for k in ("step_cost/fixed_ms", "step_cost/per_request_ms", "step_cost/per_token_ms"):
+        vals = [m[k] for m in ms if k in m]
+        if vals:
+            out[k] = float(sum(vals) / len(vals))
     out["acceptance"] = tot["draft_accepted"] / tot["draft_proposed"] if tot["draft_proposed"] else 0.0
     out["tokens_per_forward"] = tot["generated_tokens"] / tot["target_forwards"] if tot["target_forwards"] else 1.0
     return out
+
+
+def _history_budget(cfg: RunConfig, num_prompts: int) -> int:
+    """histospec.token_budget, or (0) one sized from the dataset and this node's memory."""
+    import os
+
+    from rhymerl.histospec.budget import available_memory_bytes, plan_token_budget
+
+    h = cfg.histospec
+    if h.token_budget > 0:
+        return h.token_budget
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0] or 1)
+    plan = plan_token_budget(num_prompts, cfg.rollout.n, cfg.rollout.max_tokens, h.epochs_kept, available_memory_bytes(),
+                             ranks_per_node=max(1, ranks), memory_fraction=h.memory_fraction)
+    (log.info if plan.covers_dataset else log.warning)("histospec: %s", plan.describe())
+    return plan.token_budget

@@ -71,14 +71,15 @@ SCHEDULER_KEYS = ("probe", "straggler_z", "lanes", "lane_batch", "lane_fraction"
                   "compare_baselines", "slice_s", "calibration")
 
 
-def unused_keys(cfg: Any) -> list[str]:
-    """``histopipe.*`` keys set away from their defaults that the configured dispatch mode
-    does not read (the trainer reports them at start-up instead of ignoring them silently)."""
+def unused_keys(cfg: Any, live: Optional[bool] = None) -> list[str]:
+    """``histopipe.*`` keys set away from their defaults that the dispatch mode in use (``live``,
+    default ``cfg.live``) does not read (the trainer reports them at start-up instead of
+    ignoring them silently)."""
     from dataclasses import fields
 
     if not cfg.enabled:
         return [f"histopipe.{f.name}" for f in fields(cfg) if f.name != "enabled" and getattr(cfg, f.name) != f.default]
-    idle = PLANNER_KEYS if cfg.live else SCHEDULER_KEYS
+    idle = PLANNER_KEYS if (cfg.live if live is None else live) else SCHEDULER_KEYS
     defaults = {f.name: f.default for f in fields(cfg)}
     return [f"histopipe.{k}" for k in idle if getattr(cfg, k) != defaults[k]]
 
@@ -296,6 +297,7 @@ def trainer_rollout(tr: Any, batch_indices: list[int], epoch: int, round_: int =
                                cfg.rollout.max_tokens)
         # Each policy starts from the same engine state: no prompt KV cached by an earlier run.
         tr.engine.llm.reset_prefix_cache()
+        tr.engine.start_rollout()
         d0 = tr.engine.drafter_counts()
         # DAPO's refill rounds of a step sample with their own seeds and sibling-group ids.
         res = live.run(reqs, pol, spec, cfg.run.seed, tr.step if round_ == 0 else f"{tr.step}.{round_}", name)

@@ -140,6 +140,23 @@ class SuffixAutomaton:
         self.num_tokens += 1
         self._changed()
 
+    def push_at(self, cursor: int, tokens: Sequence[int], weight: float = 1.0) -> int:
+        """Extend the sequence whose end state is ``cursor`` (0 = a new sequence) by
+        ``tokens``; returns the new end state.
+
+        Several sequences may grow interleaved (siblings decoding in the same step): a
+        sequence's whole text is always the longest string of its end state (its
+        occurrence at its own end has no predecessor), which is all ``_extend`` needs.
+        """
+        if cursor == 0:
+            self.num_seqs += 1
+        for c in tokens:
+            cursor = self._extend(cursor, int(c), weight)
+        self.num_tokens += len(tokens)
+        if tokens:
+            self._changed()
+        return cursor
+
     def _changed(self) -> None:
         self.version += 1
         if self._best:

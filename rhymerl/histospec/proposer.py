@@ -1,9 +1,15 @@
-"""Draft proposer: history drafts for running requests, one call per decode step.
+"""Draft proposer: drafts for every running request of an engine step, one call per step.
 
-Per request we keep the suffix-automaton match of its generated tokens against the
-prompt's history index (and, if ``include_siblings``, against the finished responses
-of its GRPO group in this step), advanced incrementally with the tokens emitted since
-the last call, so a call costs O(tokens emitted + draft length) dictionary steps.
+Draft sources (``SOURCES``), each a suffix automaton matched incrementally against the
+request's generated tokens (a call costs O(tokens emitted + draft length) steps):
+  history  the same prompt's responses from its last ``epochs_kept`` visits (store)
+  group    the request's GRPO group in this step: siblings finished *and in flight*
+           (every request's emitted tokens are indexed as they arrive), the request's
+           own output so far and the prompt (``include_siblings``)
+  global   other prompts' responses, newest visit of each (``include_global``)
+Per request the chain with the most expected accepted tokens wins, expected under each
+source's online acceptance (``goodput.AcceptanceTracker``), so a source is weighted by
+what it has actually predicted; vLLM verifies one chain per request.
 
 Matching follows the released HistoSpec: the longest suffix of the last
 ``match_window`` generated tokens that occurs in the history, at least ``min_match``
@@ -17,6 +23,9 @@ children per node).
 
 Draft-length rules (``draft_rule``), all capped by ``max_draft`` and the engine's
 ``max_len``:
+  goodput   the default: all requests of the step together, the lengths that maximise
+            expected emitted tokens per second of the step (``goodput.plan_step``),
+            capped near each response's predicted end; often nobody drafts
   fixed     always ``fixed_len``
   aimd      the paper: start 2, +2 after a fully accepted draft, back to 2 on a rejection
   mimd      the release: start 2, x2 after a fully accepted draft, //2 (floor 2) on a rejection
@@ -25,8 +34,8 @@ Draft-length rules (``draft_rule``), all capped by ``max_draft`` and the engine'
             continuations are accepted almost always, so capping them wastes steps.
 
 Measured with ``python -m rhymerl bench histospec`` (synthetic traces, similarity
-0.5-0.95): ``adaptive`` has the best modelled speedup of all rules (fixed 4..32,
-aimd, mimd), and ``min_match=1, start_after=0`` beat the released 4/4 at every
+0.5-0.95): among the per-request rules ``adaptive`` has the best modelled speedup
+(fixed 4..32, aimd, mimd), and ``min_match=1, start_after=0`` beat the released 4/4 at every
 similarity (the ``min_prob`` cut already rejects ambiguous short matches). The
 benchmark's main rows use those settings (``bench/histospec.py: RECOMMENDED``).
 
@@ -43,8 +52,13 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rhymerl.config import HistoSpecConfig
+from rhymerl.histospec.goodput import AcceptanceTracker, StepCostModel, plan_step, remaining_cap
 from rhymerl.histospec.index import NO_CHILD, START, SuffixAutomaton
 from rhymerl.histospec.store import HistoryStore
+
+# Draft sources, in the order they are consulted (ties go to the earlier one).
+SOURCES = ("history", "group", "global")
+RULES = ("fixed", "aimd", "mimd", "adaptive", "goodput")
 
 START_LEN = 2
 # Path probability above which the adaptive rule keeps drafting past its window.
@@ -126,15 +140,23 @@ class _Match:
 
 
 class _Req:
-    __slots__ = ("key", "group", "hist", "sib", "window", "last_depth")
+    __slots__ = ("key", "group", "hist", "sib", "glob", "window", "last_depth", "gcur", "gpushed", "pred_len",
+                 "last_src", "last_q")
 
-    def __init__(self, key: int, group: Optional[str]):
+    def __init__(self, key: int, group: Optional[str], pred_len: Optional[float] = None):
         self.key = key
         self.group = group
         self.hist: Optional[_Match] = None
         self.sib: Optional[_Match] = None
+        self.glob: Optional[_Match] = None
         self.window = START_LEN
         self.last_depth = 0
+        # End state and pushed length of this request's own sequence in its group's index.
+        self.gcur = 0
+        self.gpushed = -1
+        self.pred_len = pred_len
+        self.last_src = ""
+        self.last_q: list[float] = []
 
 
 class _Group:
@@ -174,29 +196,37 @@ def _walk(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_prob: f
     return toks, probs, score
 
 
-def _walk_growing(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_prob: float, reward: bool,
-                  conf: float = ADAPTIVE_CONF):
-    """``_walk`` for an index that changes while requests draft from it (siblings):
-    best children are cached per state instead of rebuilding the flat lists."""
-    cache = sam._wbest if reward else sam._best
+def _walk_group(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_prob: float, reward: bool,
+                conf: float = ADAPTIVE_CONF):
+    """Greedy chain in a group index whose sequences are still growing.
+
+    Probabilities are normalised over the continuations that exist: the ends of
+    in-flight siblings (and of the request itself) are "not generated yet", not
+    "the response stopped here", so they must not dilute the counts.
+    """
+    nxt, cnt = sam.nxt, sam.cnt
     toks: list[int] = []
     probs: list[float] = []
-    score = 0.0  # sum of path probabilities = expected accepted tokens (empirically)
+    score = 0.0
     p = 1.0
     n = 0
     while n < conf_limit:
-        b = cache.get(v, False)
-        if b is False:
-            b = sam.best_child(v, reward)
-        if b is None:
+        trans = nxt[v]
+        if not trans:
             break
-        c, v, q = b
+        if len(trans) == 1:
+            (c, u), = trans.items()
+            q = 1.0
+        else:
+            c, u = max(trans.items(), key=lambda kv: (cnt[kv[1]], -kv[0]))
+            q = cnt[u] / sum(cnt[x] for x in trans.values())
         p *= q
         if p < min_prob or (n >= limit and p < conf):
             break
         toks.append(c)
         probs.append(q)
         score += p
+        v = u
         n += 1
     return toks, probs, score
 
@@ -205,41 +235,65 @@ class DraftProposer:
     def __init__(self, store: HistoryStore, cfg: HistoSpecConfig):
         if cfg.min_match < 1 or cfg.match_window < cfg.min_match:
             raise ValueError(f"histospec: need 1 <= min_match <= match_window (got {cfg.min_match}, {cfg.match_window})")
-        if cfg.draft_rule not in ("fixed", "aimd", "mimd", "adaptive"):
-            raise ValueError(f"histospec.draft_rule: unknown rule {cfg.draft_rule!r}")
+        if cfg.draft_rule not in RULES:
+            raise ValueError(f"histospec.draft_rule: unknown rule {cfg.draft_rule!r}; allowed: {', '.join(RULES)}")
         self.store = store
         self.cfg = cfg
         self._reqs: dict[str, _Req] = {}
         self._groups: dict[str, _Group] = {}
         self._reward = cfg.branch == "reward"
-        self._stats = {"calls": 0, "drafts": 0, "proposed": 0, "accepted": 0, "feedbacks": 0, "draft_time_s": 0.0}
+        self.cost = StepCostModel(cfg.step_cost_fixed_ms * 1e-3, cfg.step_cost_per_request_ms * 1e-3,
+                                  cfg.step_cost_per_token_ms * 1e-3, prior_steps=cfg.step_cost_prior_steps)
+        self.acceptance = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight)
+        self._stats = {"calls": 0, "drafts": 0, "proposed": 0, "accepted": 0, "feedbacks": 0, "draft_time_s": 0.0,
+                       "steps": 0, "steps_without_drafts": 0, "requests_with_history": 0, "requests": 0,
+                       "capped_by_length": 0}
+        self._by_source = {src: [0, 0, 0] for src in SOURCES}  # drafts, proposed, accepted
 
     # -- request lifecycle ------------------------------------------------------------
-    def begin(self, req_id: str, key: int, group: str | None = None) -> None:
+    def begin(self, req_id: str, key: int, group: str | None = None, predicted_len: float | None = None,
+              prompt: Sequence[int] | None = None) -> None:
+        """Start drafting for a request; ``predicted_len`` is its predicted response length
+        (HistoPipe's), which caps drafts near the predicted end (goodput rule); ``prompt``
+        joins the group's index (answers copy numbers and phrases from their prompt)."""
         if req_id in self._reqs:  # a re-used id: retire the old request first
             self.end(req_id)
-        r = _Req(key, group)
-        sam = self.store.index(key) if self.cfg.enabled else None
+        r = _Req(key, group, predicted_len)
+        cfg = self.cfg
+        sam = self.store.index(key) if cfg.enabled else None
+        self._stats["requests"] += 1
         if sam is not None:
-            r.hist = _Match(sam)
-        if self.cfg.enabled and self.cfg.include_siblings and group is not None:
+            self._stats["requests_with_history"] += 1
+            if cfg.include_history:
+                r.hist = _Match(sam)
+        if cfg.enabled and cfg.include_siblings and group is not None:
             g = self._groups.get(group)
             if g is None:
                 g = self._groups[group] = _Group()
+                if prompt:
+                    # No START marker: the prompt is matched mid-text, never as a response's start.
+                    g.sam.push_at(0, [int(t) for t in prompt])
             g.members += 1
             r.sib = _Match(g.sam)
-        r.window = self.cfg.fixed_len if self.cfg.draft_rule == "fixed" else START_LEN
+        if cfg.enabled and cfg.include_global:
+            gsam = self.store.global_index()
+            if gsam is not None:
+                r.glob = _Match(gsam)
+        r.window = cfg.fixed_len if cfg.draft_rule == "fixed" else START_LEN
         self._reqs[req_id] = r
 
     def end(self, req_id: str, response: Sequence[int] | None = None) -> None:
         r = self._reqs.pop(req_id, None)
-        if r is None or r.group is None or r.sib is None:
+        if r is None:
+            return
+        self.acceptance.end(req_id)
+        if r.group is None or r.sib is None:
             return
         g = self._groups.get(r.group)
         if g is None:
             return
         if response:
-            g.sam.add([START] + [int(t) for t in response])
+            self._push_group(r, g, response)
         g.members -= 1
         if g.members <= 0:
             del self._groups[r.group]
@@ -247,50 +301,137 @@ class DraftProposer:
     def has_request(self, req_id: str) -> bool:
         return req_id in self._reqs
 
+    def _push_group(self, r: _Req, g: _Group, tokens: Sequence[int]) -> None:
+        """Index the request's newly emitted tokens in its group (in-flight sibling drafts)."""
+        if r.gpushed < 0:
+            r.gcur = g.sam.push_at(0, [START])
+            r.gpushed = 0
+        n = len(tokens)
+        if n > r.gpushed:
+            r.gcur = g.sam.push_at(r.gcur, [int(t) for t in tokens[r.gpushed:n]])
+            r.gpushed = n
+
     # -- drafting ---------------------------------------------------------------------
+    def _best_chain(self, req_id: str, r: _Req, generated: Sequence[int], limit: int, conf_limit: int):
+        """The best chain over all sources: (tokens, cond_probs, source, state, sam), or None.
+
+        Sources are compared by expected accepted tokens under each source's online
+        acceptance (``AcceptanceTracker``), not by raw history counts: a source whose
+        drafts the policy keeps rejecting loses to one it accepts.
+        """
+        cfg = self.cfg
+        best = None
+        best_val = 0.0
+        acc = self.acceptance
+        hist, sib, glob = r.hist, r.sib, r.glob
+        if sib is not None:
+            g = self._groups.get(r.group)
+            if g is not None:
+                self._push_group(r, g, generated)
+        for src, m, walk in (("history", hist, _walk), ("group", sib, _walk_group), ("global", glob, _walk)):
+            if m is None or not m.sam.num_tokens:
+                continue
+            if best is not None and acc.bound(req_id, src, conf_limit) <= best_val:
+                continue  # even a unanimous chain from this source could not beat the best so far
+            m.advance(generated, cfg.match_window, self._reward and src == "history")
+            cand = self._chain_from(m, limit, conf_limit, walk)
+            if cand is None:
+                continue
+            toks, probs, _, v, sam = cand
+            val = 0.0
+            p = 1.0
+            for q in acc.survival(req_id, src, probs):
+                p *= q
+                val += p
+            if val > best_val:
+                best, best_val = (toks, probs, src, v, sam), val
+        return best
+
     def propose(self, req_id: str, generated: Sequence[int], max_len: int) -> Draft:
+        """One request's draft (the step-level ``propose_step`` is what the engine uses)."""
+        return self.propose_step([(req_id, generated, max_len)])[0]
+
+    def propose_step(self, items: Sequence[tuple[str, Sequence[int], int]]) -> list[Draft]:
+        """Drafts for every running request of one engine step: (request id, generated
+        tokens, most draft tokens the engine allows). Under the goodput rule the lengths
+        are chosen jointly (``goodput.plan_step``): every request may get an empty draft."""
         t0 = time.perf_counter()
         st = self._stats
-        st["calls"] += 1
-        r = self._reqs.get(req_id)
         cfg = self.cfg
-        if r is None or max_len <= 0 or len(generated) < cfg.start_after or (r.hist is None and r.sib is None):
-            st["draft_time_s"] += time.perf_counter() - t0
+        rule = cfg.draft_rule
+        goodput = rule == "goodput"
+        cands: list = []
+        for req_id, generated, max_len in items:
+            st["calls"] += 1
+            r = self._reqs.get(req_id)
             if r is not None:
                 r.last_depth = 0
-            return Draft()
-        rule = cfg.draft_rule
-        cap = min(max_len, cfg.fixed_len if rule == "fixed" else cfg.max_draft)
-        limit = min(r.window, cap)
-        conf_limit = cap if rule == "adaptive" else limit
-        best = None
-        hist, sib = r.hist, r.sib
-        if hist is not None:
-            hist.advance(generated, cfg.match_window, self._reward)
-            best = self._chain_from(hist, limit, conf_limit, _walk)
-        # Siblings are consulted only where the history draft is missing or cut short
-        # of the window (matching them lazily: a stale match re-matches the window).
-        if sib is not None and sib.sam.num_tokens and (best is None or len(best[0]) < limit):
-            sib.advance(generated, cfg.match_window)
-            cand = self._chain_from(sib, limit, conf_limit, _walk_growing)
-            if cand is not None and (best is None or cand[2] > best[2]):
-                best = cand
-        if best is None:
-            r.last_depth = 0
-            st["draft_time_s"] += time.perf_counter() - t0
-            return Draft()
-        toks, probs, _, v, sam = best
-        n = len(toks)
-        parents = list(range(-1, n - 1))
-        if cfg.tree:
-            budget = min(max_len, max(cfg.tree_nodes, n))
-            if budget > n:
-                toks, probs, parents = self._grow_tree(sam, v, toks, probs, parents, budget, cap)
-        r.last_depth = n
-        st["drafts"] += 1
-        st["proposed"] += len(toks)
+                r.last_src = ""
+                r.last_q = []
+            if (r is None or max_len <= 0 or not cfg.enabled or len(generated) < cfg.start_after
+                    or (r.hist is None and r.sib is None and r.glob is None)):
+                if r is not None and r.sib is not None and r.group in self._groups:
+                    self._push_group(r, self._groups[r.group], generated)
+                cands.append(None)
+                continue
+            cap = min(max_len, cfg.fixed_len if rule == "fixed" else cfg.max_draft)
+            if goodput:
+                rc = remaining_cap(len(generated), r.pred_len, cfg.length_margin)
+                if rc is not None and rc < cap:
+                    cap = rc
+                    st["capped_by_length"] += 1
+                limit = conf_limit = cap
+            else:
+                limit = min(r.window, cap)
+                conf_limit = cap if rule == "adaptive" else limit
+            best = self._best_chain(req_id, r, generated, limit, conf_limit) if cap > 0 else None
+            cands.append(None if best is None else (best, cap))
+        if goodput:
+            surv = [[] if c is None else self.acceptance.survival(items[i][0], c[0][2], c[0][1])
+                    for i, c in enumerate(cands)]
+            lengths = plan_step(surv, self.cost, min_gain=cfg.min_gain).lengths
+        else:
+            lengths = [0 if c is None else len(c[0][0]) for c in cands]
+        st["steps"] += 1
+        out: list[Draft] = []
+        for (req_id, _, max_len), c, k in zip(items, cands, lengths):
+            if c is None or k <= 0:
+                out.append(Draft())
+                continue
+            (toks, probs, src, v, sam), cap = c
+            toks, probs = toks[:k], probs[:k]
+            r = self._reqs[req_id]
+            r.last_depth = len(toks)
+            r.last_src = src
+            r.last_q = probs
+            parents = list(range(-1, len(toks) - 1))
+            if cfg.tree:
+                budget = min(max_len, max(cfg.tree_nodes, len(toks)))
+                if budget > len(toks):
+                    toks, probs, parents = self._grow_tree(sam, v, toks, probs, parents, budget, cap)
+            st["drafts"] += 1
+            st["proposed"] += len(toks)
+            bs = self._by_source[src]
+            bs[0] += 1
+            bs[1] += len(toks)
+            out.append(Draft(toks, probs, parents))
+        if not any(out):
+            st["steps_without_drafts"] += 1
         st["draft_time_s"] += time.perf_counter() - t0
-        return Draft(toks, probs, parents)
+        return out
+
+    def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float) -> None:
+        """A measured engine step (see ``goodput.StepCostModel``); ignored with step_cost=prior."""
+        if self.cfg.step_cost == "measured":
+            self.cost.observe_step(num_requests, num_scored_tokens, seconds)
+
+    def start_rollout(self) -> None:
+        """A new rollout (new policy weights): statistics and learnt acceptance start afresh,
+        so a rollout's drafts depend only on its own history and outcomes (a resumed run
+        replays them); the step-cost model carries over."""
+        self.reset_stats()
+        cfg = self.cfg
+        self.acceptance = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight)
 
     def _chain_from(self, m: _Match, limit: int, conf_limit: int, walk):
         cfg = self.cfg
@@ -355,8 +496,13 @@ class DraftProposer:
         r = self._reqs.get(req_id)
         if r is None or proposed <= 0:
             return
+        if r.last_src:
+            # Acceptance is tracked along the chain actually verified (a tree's spine).
+            acc = max(0, min(accepted, len(r.last_q)))
+            self.acceptance.observe(req_id, r.last_src, r.last_q, acc)
+            self._by_source[r.last_src][2] += acc
         rule = self.cfg.draft_rule
-        if rule == "fixed":
+        if rule in ("fixed", "goodput"):
             return
         cap = self.cfg.max_draft
         depth = r.last_depth or proposed
@@ -376,8 +522,23 @@ class DraftProposer:
         s["acceptance_rate"] = s["accepted"] / max(1, s["proposed"])
         s["active_requests"] = len(self._reqs)
         s["active_groups"] = len(self._groups)
+        # Fraction of engine steps in which nobody drafted (speculation fully bypassed).
+        s["steps_without_drafts_fraction"] = s["steps_without_drafts"] / max(1, s["steps"])
+        s["history_served_fraction"] = s["requests_with_history"] / max(1, s["requests"])
+        for src, (drafts, proposed, accepted) in self._by_source.items():
+            s[f"source/{src}/drafts"] = drafts
+            s[f"source/{src}/proposed"] = proposed
+            s[f"source/{src}/accepted"] = accepted
+        c = self.cost.state()
+        s["step_cost/fixed_ms"] = 1e3 * c["fixed_s"]
+        s["step_cost/per_request_ms"] = 1e3 * c["per_request_s"]
+        s["step_cost/per_token_ms"] = 1e3 * c["per_token_s"]
+        s["step_cost/observed_steps"] = c["observed_steps"]
+        s.update(self.acceptance.state())
         return s
 
     def reset_stats(self) -> None:
         for k in self._stats:
             self._stats[k] = 0.0 if k == "draft_time_s" else 0
+        for v in self._by_source.values():
+            v[:] = [0, 0, 0]

@@ -2,17 +2,18 @@
 
 Keyed by ``prompt_key`` (a hash of the prompt token ids). Each kept visit ("epoch")
 holds the n responses and their rewards; a suffix automaton per prompt indexes all
-kept responses. A global token budget bounds the store: when it is exceeded the
+kept responses. A global token budget bounds the store (``budget.py``: sized from the
+dataset and the memory at hand when ``token_budget`` is 0): when it is exceeded the
 globally oldest visits are evicted first (a prompt whose last visit is evicted is
-forgotten). Saved as a versioned, checksummed binary file; the indexes are not saved
-(they are rebuilt on first use, from the tokens).
+forgotten). Tokens are kept as int32 arrays (4 bytes per token). Saved as a versioned,
+checksummed binary file; the indexes are not saved (they are rebuilt from the tokens).
 
-Indexes are built in bulk when a visit is added (``add_group``, ~6 us per token in
-CPython, off the decode path) and kept in the compact frozen form (~150 bytes per
-history token). A prompt's index is rebuilt from its kept visits whenever one is added
-or evicted; online (incremental) indexing is used where text arrives while requests
-draft from it: in-flight siblings (``DraftProposer``) and SuffixDecoding's
-per-request tree (bench baseline).
+Indexes are built lazily, only for prompts about to be served: ``prebuild`` (a
+background thread the trainer starts for the next step's prompts, overlapping
+training; it also refreshes the cross-prompt index) or on first use (``index``). A prompt's index is dropped whenever a visit is
+added or evicted, and kept in the compact frozen form. Online (incremental) indexing
+is used where text arrives while requests draft from it: in-flight siblings
+(``DraftProposer``) and SuffixDecoding's per-request tree (bench baseline).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import hashlib
 import io
 import math
 import struct
-from collections import OrderedDict
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -30,6 +32,7 @@ import numpy as np
 
 from rhymerl.atomic import atomic_write_bytes
 from rhymerl.config import HistoSpecConfig
+from rhymerl.histospec.budget import STORED_BYTES_PER_TOKEN, VisitBudget, available_memory_bytes
 from rhymerl.histospec.index import START, FrozenSuffixAutomaton, SuffixAutomaton
 
 MAGIC = b"RHYMEHST"
@@ -63,7 +66,7 @@ def reward_weights(rewards: Optional[Sequence[float]], n: int) -> list[float]:
 @dataclass
 class _Visit:
     epoch: int
-    responses: list[list[int]]
+    responses: list[np.ndarray]  # int32 token ids, one array per response
     rewards: Optional[list[float]]
 
     @property
@@ -78,16 +81,27 @@ class _Entry:
 
 
 class HistoryStore:
-    def __init__(self, cfg: HistoSpecConfig, vocab_size: int | None = None):
+    def __init__(self, cfg: HistoSpecConfig, vocab_size: int | None = None, token_budget: int | None = None):
+        """``token_budget`` overrides ``cfg.token_budget``; with neither (0 = auto) the store
+        may use ``cfg.memory_fraction`` of the available memory (the trainer sizes it from
+        the dataset with ``budget.plan_token_budget``)."""
         if cfg.epochs_kept < 1:
             raise HistoryError(f"histospec.epochs_kept must be >= 1 (got {cfg.epochs_kept})")
         self.cfg = cfg
         self._vocab_size = vocab_size
         self._max_token = -1
         self._entries: dict[int, _Entry] = {}
-        # (key, epoch) in insertion order: eviction takes from the front.
-        self._order: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self.num_tokens = 0
+        if token_budget is None:
+            token_budget = cfg.token_budget or max(1, int(cfg.memory_fraction * available_memory_bytes()
+                                                          / STORED_BYTES_PER_TOKEN))
+        # (key, epoch) visits in insertion order with their sizes: eviction takes from the front.
+        self._budget = VisitBudget(token_budget)
+        self._lock = threading.RLock()
+        self.build_s = 0.0
+        self.built_tokens = 0
+        # Shared index over other prompts' responses (built on first use after a change).
+        self._global: Optional[FrozenSuffixAutomaton] = None
+        self._global_stale = True
 
     # -- queries --------------------------------------------------------------------
     @property
@@ -96,6 +110,14 @@ class HistoryStore:
         if self._vocab_size is not None:
             return self._vocab_size
         return self._max_token + 1 if self._max_token >= 0 else None
+
+    @property
+    def num_tokens(self) -> int:
+        return self._budget.num_tokens
+
+    @property
+    def token_budget(self) -> int:
+        return self._budget.token_budget
 
     def has(self, key: int) -> bool:
         return key in self._entries
@@ -116,16 +138,85 @@ class HistoryStore:
 
     def responses(self, key: int) -> list[list[list[int]]]:
         e = self._entries.get(key)
-        return [] if e is None else [v.responses for v in e.visits]
+        return [] if e is None else [[r.tolist() for r in v.responses] for v in e.visits]
 
     def index(self, key: int) -> Optional[FrozenSuffixAutomaton]:
         """The prompt's suffix automaton (built on first use), or None if unknown."""
         e = self._entries.get(key)
         if e is None:
             return None
-        if e.index is None:
-            e.index = self._build(e)
-        return e.index
+        idx = e.index
+        if idx is None:
+            with self._lock:
+                e = self._entries.get(key)
+                if e is None:
+                    return None
+                if e.index is None:
+                    e.index = self._build(e)
+                idx = e.index
+        return idx
+
+    def prebuild(self, keys, background: bool = True) -> Optional[threading.Thread]:
+        """Build the indexes of ``keys`` (the prompts about to be served) ahead of use;
+        in a daemon thread by default, so it overlaps whatever the caller does next."""
+        keys = [int(k) for k in keys if int(k) in self._entries]
+
+        def work() -> None:
+            for k in keys:
+                self.index(k)
+            self.global_index()
+
+        if not background:
+            work()
+            return None
+        t = threading.Thread(target=work, name="histospec-prebuild", daemon=True)
+        t.start()
+        return t
+
+    def build_cost(self) -> dict:
+        """Index build time and index memory per history token, over the indexes built so far."""
+        with self._lock:
+            idx = [e.index for e in self._entries.values() if e.index is not None]
+            tokens = sum(i.num_tokens for i in idx)
+            mem = sum(i.memory_bytes() for i in idx)
+        return {"index_build_us_per_token": 1e6 * self.build_s / max(1, self.built_tokens),
+                "index_bytes_per_token": mem / max(1, tokens),
+                "stored_bytes_per_token": STORED_BYTES_PER_TOKEN}
+
+    def global_index(self) -> Optional[FrozenSuffixAutomaton]:
+        """One index over the newest visit of every prompt (SuffixDecoding's global cache),
+        newest visits first up to ``global_token_budget`` tokens; None if empty or disabled."""
+        if not self.cfg.include_global or self.cfg.global_token_budget <= 0:
+            return None
+        if self._global_stale:
+            with self._lock:
+                if self._global_stale:
+                    self._global_stale = False
+                    self._global = self._build_global()
+        return self._global
+
+    def _build_global(self) -> Optional[FrozenSuffixAutomaton]:
+        sam = SuffixAutomaton(online=False)
+        budget = self.cfg.global_token_budget
+        seen: set[int] = set()
+        # Take the newest visits' arrays under the lock, index them outside it (the arrays
+        # are never modified in place, so a concurrent add or eviction cannot hurt).
+        chosen: list[list[np.ndarray]] = []
+        total = 0
+        with self._lock:
+            for key, epoch in reversed(list(self._budget)):
+                if key in seen and not self.cfg.global_all_visits:
+                    continue
+                seen.add(key)
+                v = next(x for x in self._entries[key].visits if x.epoch == epoch)
+                if total + v.num_tokens > budget:
+                    break
+                total += v.num_tokens
+                chosen.append(list(v.responses))
+        for responses in chosen:
+            for r in responses:
+                sam.add([START] + r.tolist())
+        return sam.freeze() if sam.num_tokens else None
 
     def index_memory_bytes(self) -> int:
         return sum(e.index.memory_bytes() for e in self._entries.values() if e.index is not None)
@@ -137,75 +228,78 @@ class HistoryStore:
             raise HistoryError(f"add_group: {len(rewards)} rewards for {len(responses)} responses")
         resp = [self._check_tokens(r) for r in responses]
         rew = None if rewards is None else [float(x) for x in rewards]
-        e = self._entries.setdefault(int(key), _Entry())
-        if e.visits and epoch < e.visits[-1].epoch:
-            raise HistoryError(f"add_group: epoch {epoch} is older than the newest kept epoch {e.visits[-1].epoch} of this prompt")
-        if e.visits and e.visits[-1].epoch == epoch:
-            # A second group of the same prompt in the same epoch joins that visit.
-            v = e.visits[-1]
-            v.responses.extend(resp)
-            v.rewards = None if (v.rewards is None or rew is None) else v.rewards + rew
-            # Reward weights are relative to the whole visit, so the index is rebuilt.
+        key, epoch = int(key), int(epoch)
+        with self._lock:
+            e = self._entries.setdefault(key, _Entry())
+            if e.visits and epoch < e.visits[-1].epoch:
+                raise HistoryError(f"add_group: epoch {epoch} is older than the newest kept epoch {e.visits[-1].epoch} of this prompt")
+            if e.visits and e.visits[-1].epoch == epoch:
+                # A second group of the same prompt in the same epoch joins that visit.
+                v = e.visits[-1]
+                v.responses.extend(resp)
+                v.rewards = None if (v.rewards is None or rew is None) else v.rewards + rew
+            else:
+                e.visits.append(_Visit(epoch, resp, rew))
+                while len(e.visits) > self.cfg.epochs_kept:
+                    self._drop_oldest_visit(key, e)
+            # The index is rebuilt from the kept tokens when next needed (prebuild or first use).
             e.index = None
-        else:
-            e.visits.append(_Visit(int(epoch), resp, rew))
-            self._order[(int(key), int(epoch))] = None
-            while len(e.visits) > self.cfg.epochs_kept:
-                self._drop_oldest_visit(int(key), e)
-            # Frozen indexes are rebuilt from the kept tokens (O(tokens), off the decode path).
-            e.index = None
-        self.num_tokens += sum(len(r) for r in resp)
-        self._enforce_budget(keep=(int(key), int(epoch)))
-        if int(key) in self._entries:
-            self.index(int(key)).best_arrays(self.cfg.branch == "reward")
+            self._global_stale = True
+            for k, ep in self._budget.add(key, epoch, sum(len(r) for r in resp)):
+                self._drop_visit(k, ep)
 
-    def _check_tokens(self, r: Sequence[int]) -> list[int]:
-        out = [int(t) for t in r]
-        if out:
-            lo, hi = min(out), max(out)
+    def _check_tokens(self, r: Sequence[int]) -> np.ndarray:
+        out = np.asarray(r, dtype=np.int64).reshape(-1)
+        if out.size:
+            lo, hi = int(out.min()), int(out.max())
             if lo < 0:
                 raise HistoryError(f"add_group: negative token id {lo}")
             if self._vocab_size is not None and hi >= self._vocab_size:
                 raise HistoryError(f"add_group: token id {hi} >= vocab_size {self._vocab_size}")
+            if hi >= 2 ** 31:
+                raise HistoryError(f"add_group: token id {hi} does not fit in int32")
             self._max_token = max(self._max_token, hi)
-        return out
+        return out.astype(np.int32)
 
     def _drop_oldest_visit(self, key: int, e: _Entry) -> None:
         v = e.visits.pop(0)
-        self.num_tokens -= v.num_tokens
-        self._order.pop((key, v.epoch), None)
+        self._budget.remove(key, v.epoch)
+        self._global_stale = True
         e.index = None
         if not e.visits:
             del self._entries[key]
 
-    def _enforce_budget(self, keep: tuple[int, int]) -> None:
-        while self.num_tokens > self.cfg.token_budget and self._order:
-            key, epoch = next(iter(self._order))
-            if (key, epoch) == keep and len(self._order) == 1:
-                break  # a single visit larger than the budget is kept rather than dropped silently
-            if (key, epoch) == keep:
-                self._order.move_to_end((key, epoch))
-                continue
-            e = self._entries[key]
-            assert e.visits[0].epoch == epoch
-            self._drop_oldest_visit(key, e)
+    def _drop_visit(self, key: int, epoch: int) -> None:
+        """The budget evicted this visit (always its prompt's oldest: epochs only grow)."""
+        e = self._entries[key]
+        assert e.visits[0].epoch == epoch
+        e.visits.pop(0)
+        self._global_stale = True
+        e.index = None
+        if not e.visits:
+            del self._entries[key]
 
     def _build(self, e: _Entry) -> FrozenSuffixAutomaton:
+        t0 = time.thread_time()
         sam = SuffixAutomaton(online=False)
         for v in e.visits:
             for r, w in zip(v.responses, reward_weights(v.rewards, len(v.responses))):
-                sam.add([START] + r, w)
-        return sam.freeze()
+                sam.add([START] + r.tolist(), w)
+        idx = sam.freeze()
+        idx.best_arrays(self.cfg.branch == "reward")
+        self.build_s += time.thread_time() - t0
+        self.built_tokens += sam.num_tokens
+        return idx
 
     # -- serialisation ----------------------------------------------------------------
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         vs = -1 if self._vocab_size is None else self._vocab_size
-        buf.write(struct.pack("<qqI", vs, self._max_token, len(self._order)))
-        for key, epoch in self._order:
+        buf.write(struct.pack("<qqI", vs, self._max_token, len(self._budget)))
+        for key, epoch in self._budget:
             v = next(x for x in self._entries[key].visits if x.epoch == epoch)
             lens = np.asarray([len(r) for r in v.responses], dtype="<i4")
-            toks = np.asarray([t for r in v.responses for t in r], dtype="<i4")
+            toks = (np.concatenate(v.responses) if v.responses else np.zeros(0)).astype("<i4")
             rew = np.asarray(v.rewards if v.rewards is not None else [math.nan] * len(v.responses), dtype="<f8")
             buf.write(struct.pack("<QqIB", key, epoch, len(lens), v.rewards is not None))
             buf.write(lens.tobytes())
@@ -215,7 +309,8 @@ class HistoryStore:
         return _HEADER.pack(MAGIC, FORMAT_VERSION, 0, hashlib.sha256(payload).digest(), len(payload)) + payload
 
     @classmethod
-    def from_bytes(cls, b: bytes, cfg: HistoSpecConfig, vocab_size: int | None = None, source: str = "<bytes>") -> "HistoryStore":
+    def from_bytes(cls, b: bytes, cfg: HistoSpecConfig, vocab_size: int | None = None, source: str = "<bytes>",
+                   token_budget: int | None = None) -> "HistoryStore":
         if len(b) < _HEADER.size:
             raise HistoryError(f"{source}: not a HistoSpec history file (only {len(b)} bytes)")
         magic, version, _, digest, n = _HEADER.unpack_from(b)
@@ -234,7 +329,7 @@ class HistoryStore:
             raise HistoryError(f"{source}: history was recorded with vocab_size {file_vocab}, the model has {vocab_size}")
         if vocab_size is not None and max_tok >= vocab_size:
             raise HistoryError(f"{source}: history holds token id {max_tok}, outside the model's vocab_size {vocab_size}")
-        store = cls(cfg, vocab_size if vocab_size is not None else file_vocab)
+        store = cls(cfg, vocab_size if vocab_size is not None else file_vocab, token_budget)
         off = struct.calcsize("<qqI")
         rec = struct.Struct("<QqIB")
         try:
@@ -244,7 +339,7 @@ class HistoryStore:
                 lens = np.frombuffer(payload, "<i4", nresp, off); off += 4 * nresp
                 rew = np.frombuffer(payload, "<f8", nresp, off); off += 8 * nresp
                 ntok = int(lens.sum())
-                toks = np.frombuffer(payload, "<i4", ntok, off).tolist(); off += 4 * ntok
+                toks = np.frombuffer(payload, "<i4", ntok, off).astype(np.int32); off += 4 * ntok
                 bounds = np.concatenate([[0], np.cumsum(lens)]).tolist()
                 responses = [toks[bounds[i]:bounds[i + 1]] for i in range(nresp)]
                 store._load_visit(key, epoch, responses, rew.tolist() if has_rew else None)
@@ -253,15 +348,17 @@ class HistoryStore:
         if off != len(payload):
             raise HistoryError(f"{source}: {len(payload) - off} unexpected trailing bytes")
         store._max_token = max(store._max_token, max_tok)
-        store._enforce_budget(keep=(-1, -1))
+        for k, ep in store._budget.evict_over_budget():
+            store._drop_visit(k, ep)
         return store
 
     def _load_visit(self, key: int, epoch: int, responses: list[list[int]], rewards) -> None:
         # No index build here: loading a large store stays fast; indexes build on first use.
         e = self._entries.setdefault(key, _Entry())
         e.visits.append(_Visit(epoch, responses, rewards))
-        self._order[(key, epoch)] = None
-        self.num_tokens += sum(len(r) for r in responses)
+        # Budget is enforced once the whole file is read (oldest visits first).
+        self._budget.load(key, epoch, sum(len(r) for r in responses))
+        self._global_stale = True
         while len(e.visits) > self.cfg.epochs_kept:
             self._drop_oldest_visit(key, e)
 
@@ -269,8 +366,9 @@ class HistoryStore:
         atomic_write_bytes(Path(path), self.to_bytes())
 
     @classmethod
-    def load(cls, path: str | Path, cfg: HistoSpecConfig, vocab_size: int | None = None) -> "HistoryStore":
+    def load(cls, path: str | Path, cfg: HistoSpecConfig, vocab_size: int | None = None,
+             token_budget: int | None = None) -> "HistoryStore":
         path = Path(path)
         if not path.is_file():
             raise HistoryError(f"history file {path} does not exist")
-        return cls.from_bytes(path.read_bytes(), cfg, vocab_size, source=str(path))
+        return cls.from_bytes(path.read_bytes(), cfg, vocab_size, source=str(path), token_budget=token_budget)

@@ -13,6 +13,14 @@ Prompt identity: the engine puts ``rhymerl_key`` (prompt_key of the prompt ids),
 ``rhymerl_rid`` (its own request id) and ``rhymerl_group`` in
 ``SamplingParams.extra_args``; without them the key is hashed from the prompt ids.
 
+Per engine step all running requests are drafted together (``DraftProposer.propose_step``):
+under the goodput rule their lengths maximise expected tokens per second of the step
+(``goodput.py``), with the step-time model refitted from the time between consecutive
+calls (one call per engine step; decode-only steps are timed, steps that prefilled a
+new request are not). When no draft token pays, every row gets an empty draft.
+``rhymerl_pred_len`` in ``extra_args`` (HistoPipe's predicted response length) caps
+drafts near a response's predicted end.
+
 Drafts are returned as deterministic chains (no draft probabilities), which vLLM's
 rejection sampler verifies losslessly: a draft token d is accepted with probability
 p(d) and a rejection resamples from the residual, so outputs follow the policy exactly.
@@ -44,7 +52,11 @@ class HistoSpecProposer:
         # core request id -> [vllm req id, tokens proposed last step]
         self._live: dict[str, list] = {}
         self._by_vllm_id: dict[str, str] = {}
-        self.counts = {"calls": 0, "proposed": 0, "drafts": 0, "accepted": 0, "draft_time_s": 0.0}
+        self.counts = {"calls": 0, "proposed": 0, "drafts": 0, "accepted": 0, "draft_time_s": 0.0,
+                       "steps_without_drafts": 0}
+        # End of the previous propose call: the next call's start minus this is one engine
+        # step (schedule + forward + sample), the input of the step-time model.
+        self._last_end: Optional[float] = None
         self._warned_tree = False
 
     # -- vLLM interface ---------------------------------------------------------------
@@ -64,9 +76,16 @@ class HistoSpecProposer:
         req_ids = batch.req_ids
         requests = runner.requests
         self._drop_finished(requests)
+        rows: list[int] = []
+        items: list[tuple[str, list[int], int]] = []
+        # The step that just ran: its rows and the tokens it scored (1 + last draft per row).
+        # A step that admitted a new request also prefilled it: not a decode step, not timed.
+        step_rows = step_scored = 0
+        decode_only = True
         for i in range(n):
             sampled = sampled_token_ids[i]
             if not sampled:
+                decode_only = False  # a (chunked) prefill ran in this step: do not time it
                 continue  # still in (chunked) prefill, or discarded this step
             vid = req_ids[i]
             if vid is None:
@@ -77,7 +96,10 @@ class HistoSpecProposer:
                 continue
             if rid is None:
                 rid = self._begin(vid, state)
+                decode_only = False
             live = self._live[rid]
+            step_rows += 1
+            step_scored += 1 + live[1]
             if live[1] > 0:
                 acc = len(sampled) - 1
                 self.counts["accepted"] += acc
@@ -90,20 +112,26 @@ class HistoSpecProposer:
             if params is not None and params.max_tokens is not None:
                 room = min(room, params.max_tokens - (num_tokens - p_len) - 1)
             max_len = min(self.k, room)
-            if max_len <= 0:
-                continue
             generated = token_ids_cpu[i, p_len:num_tokens].tolist()
-            d = core.propose(rid, generated, max_len)
+            rows.append(i)
+            items.append((rid, generated, max_len))
+        if decode_only and step_rows and self._last_end is not None:
+            core.observe_step(step_rows, step_scored, t0 - self._last_end)
+        drafts = core.propose_step(items) if items else []
+        for i, (rid, _, max_len), d in zip(rows, items, drafts):
             toks = d.tokens
             if toks and not d.is_chain:
                 toks = self._spine(d)
             toks = toks[:max_len]
             if toks:
                 out[i] = toks
-                live[1] = len(toks)
+                self._live[rid][1] = len(toks)
                 self.counts["proposed"] += len(toks)
                 self.counts["drafts"] += 1
-        self.counts["draft_time_s"] += time.perf_counter() - t0
+        if items and not any(out):
+            self.counts["steps_without_drafts"] += 1
+        self._last_end = time.perf_counter()
+        self.counts["draft_time_s"] += self._last_end - t0
         return out
 
     # -- engine interface -------------------------------------------------------------
@@ -145,7 +173,9 @@ class HistoSpecProposer:
         key = extra.get("rhymerl_key")
         if key is None:
             key = prompt_key(state.prompt_token_ids or [])
-        self.core.begin(rid, int(key), extra.get("rhymerl_group"))
+        pred = extra.get("rhymerl_pred_len")
+        self.core.begin(rid, int(key), extra.get("rhymerl_group"), None if pred is None else float(pred),
+                        prompt=state.prompt_token_ids)
         self._live[rid] = [vid, 0]
         self._by_vllm_id[vid] = rid
         return rid

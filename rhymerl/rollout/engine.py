@@ -368,7 +368,8 @@ class RolloutEngine:
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
                  group_ids: Optional[list[str]] = None, epoch: int = 0,
-                 record_history: bool = True) -> list[RolloutResult]:
+                 record_history: bool = True,
+                 predicted_lengths: Optional[list[Optional[float]]] = None) -> list[RolloutResult]:
         """Generate ``n`` responses per prompt. With ``record_history`` each prompt's responses
         join the history store as one visit; a caller that splits a group across calls or
         instances (the trainer) passes False and records whole groups itself, with rewards."""
@@ -387,6 +388,7 @@ class RolloutEngine:
         results: list[RolloutResult] = []
         reqs: dict[str, tuple[int, int]] = {}
         proposer = self._drafter() if self.method == "histospec" else None
+        self.start_rollout()
         m0 = self._meter.snapshot() if self._meter else (0, 0, 0, 0.0)
         t0 = time.perf_counter()
         j = 0
@@ -404,6 +406,9 @@ class RolloutEngine:
                 reqs[rid] = (i, s)
                 seed = None if sampling.seed is None else sampling.seed + j
                 extra = {"rhymerl_rid": rid, "rhymerl_key": key, "rhymerl_group": gid}
+                if predicted_lengths is not None and predicted_lengths[i] is not None:
+                    # HistoSpec caps drafts near a response's predicted end (histospec.length_margin).
+                    extra["rhymerl_pred_len"] = float(predicted_lengths[i])
                 self._engine.add_request(rid, {"prompt_token_ids": prompt}, self._params(sampling, extra, seed))
                 j += 1
         if no_hist and len(self.history) > 0:
@@ -441,6 +446,12 @@ class RolloutEngine:
             for res in results:
                 self.history.add_group(res.prompt_key, epoch, [r.token_ids for r in res.responses])
         return results
+
+    def start_rollout(self) -> None:
+        """A rollout under new weights begins: HistoSpec's learnt acceptance starts afresh (so a
+        rollout's drafts depend only on its own history and outcomes, and a resume replays them)."""
+        if self._core is not None:
+            self._core.start_rollout()
 
     # -- request-level driving (a scheduler that moves requests between engines) -----------
     def submit(self, rid: str, prompt: list[int], sampling: SamplingSpec, seed: Optional[int], key: int,
@@ -508,6 +519,13 @@ class RolloutEngine:
             "draft_time_s": dtime,
             "drafter_calls": calls,
         }
+        if self._core is not None:
+            # HistoSpec's own figures: bypassed steps, prompts served with history, per-source
+            # drafts/acceptance and the fitted step-cost model.
+            self._metrics.update({k: v for k, v in self._core.stats().items()
+                                  if k in ("steps", "steps_without_drafts", "steps_without_drafts_fraction",
+                                           "history_served_fraction", "requests", "requests_with_history")
+                                  or k.startswith(("source/", "step_cost/", "acceptance_multiplier/"))})
 
     def metrics(self) -> dict:
         """Figures of the last generate() call."""

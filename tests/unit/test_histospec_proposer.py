@@ -10,7 +10,7 @@ pytestmark = pytest.mark.cpu
 
 
 def cfg(**kw):
-    base = dict(start_after=0, min_match=1, draft_rule="fixed", fixed_len=8, max_draft=16)
+    base = dict(start_after=0, min_match=1, draft_rule="fixed", fixed_len=8, max_draft=16, include_global=False)
     base.update(kw)
     return dataclasses.replace(HistoSpecConfig(), **base)
 

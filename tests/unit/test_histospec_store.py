@@ -13,7 +13,7 @@ def cfg(**kw):
 
 
 def test_add_has_lengths_and_epoch_replacement():
-    s = HistoryStore(cfg())
+    s = HistoryStore(cfg(epochs_kept=1))
     assert not s.has(7) and s.lengths(7) == []
     s.add_group(7, 0, [[1, 2, 3], [4, 5]], [1.0, 0.0])
     assert s.has(7) and s.lengths(7) == [[3, 2]] and s.num_tokens == 5

@@ -65,12 +65,13 @@ def parity_reward(item):
 def make_trainer(answers: list[str], *overrides: str, rank: int = 0, instances: int = 1) -> Trainer:
     cfg = load_config(None, ["rollout.n=4", f"data.prompts_per_step={len(answers)}", "data.shuffle=false",
                              "reward.workers=0", f"reward.function={__name__}:parity_reward",
-                             # generate()-level dispatch: the scripted engine answers whole calls
-                             # (the live scheduler's dispatch runs real engines in test_histopipe_live)
-                             "histopipe.live=false", *overrides])
+                             *overrides])
     t = Trainer.__new__(Trainer)
     t.cfg, t.comm, t.step, t.last_batch_records = cfg, WorldComm(rank=rank, world_size=1), 0, []
     t.instance, t.engine_rank = rank, 0  # one engine per rank (rollout TP 1)
+    # generate()-level dispatch: the scripted engine answers whole calls (the live scheduler's
+    # dispatch runs real engines in test_histopipe_live)
+    t.live_dispatch = False
     t.records = [PromptRecord(id=f"p{i}", prompt=f"q{i}", answer=a) for i, a in enumerate(answers)]
     t.prompt_ids = [[1, 2, 100 + i] for i in range(len(answers))]
     t.prompt_keys = [prompt_key(p) for p in t.prompt_ids]

@@ -1,0 +1,185 @@
+import dataclasses
+import random
+
+import pytest
+
+from rhymerl.config import HistoSpecConfig
+from rhymerl.histospec import DraftProposer, HistoryStore
+from rhymerl.histospec.goodput import (AcceptanceTracker, StepCostModel, expected_tokens, plan_step,
+                                       remaining_cap)
+
+pytestmark = pytest.mark.cpu
+
+
+def test_cost_model_recovers_step_costs_from_observed_steps():
+    m = StepCostModel(0.055, 0.0046, 0.0016)
+    rng = random.Random(0)
+    for _ in range(3000):
+        r = rng.randint(1, 32)
+        t = r + rng.randint(0, 4 * r)
+        m.observe_step(r, t, 0.01 + 0.001 * r + 0.0003 * t)
+    f, pr, pt = m.coef
+    assert f == pytest.approx(0.01, rel=0.05) and pr == pytest.approx(0.001, rel=0.05) and pt == pytest.approx(0.0003, rel=0.05)
+    # Before any measurement (and for nonsense input) the prior stands.
+    p = StepCostModel(0.05, 0.004, 0.002)
+    p.observe_step(0, 0, 1.0)
+    p.observe_step(3, 2, 1.0)
+    p.observe_step(3, 3, float("nan"))
+    assert p.coef == (0.05, 0.004, 0.002)
+    with pytest.raises(ValueError):
+        StepCostModel(0.05, 0.004, 0.0)
+
+
+def test_expected_tokens_is_sum_of_survival_products():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_plan_maximises_tokens_per_second():
+    cost = StepCostModel(0.05, 0.0, 0.01)  # a draft token costs 1/5 of a step's fixed cost
+    surv = [[0.99] * 6, [0.3] * 6, [], [0.9, 0.05, 0.9]]
+    plan = plan_step(surv, cost)
+    # Exhaustive check over all length vectors: the greedy plan is optimal.
+    import itertools
+
+    def goodput(ls):
+        e = sum(expected_tokens(s, k) for s, k in zip(surv, ls))
+        return e / (0.05 + 0.01 * (len(surv) + sum(ls)))
+
+    best = max(itertools.product(range(7), range(7), range(1), range(4)), key=goodput)
+    assert goodput(plan.lengths) == pytest.approx(goodput(best))
+    assert plan.lengths[1] == 0 and plan.lengths[0] > 0  # a poor draft does not pay; a sure one does
+    assert plan.expected_tokens == pytest.approx(sum(expected_tokens(s, k) for s, k in zip(surv, plan.lengths)))
+
+
+def test_nobody_drafts_when_no_token_pays():
+    cost = StepCostModel(0.0, 0.0, 1.0)  # the step's whole cost is per scored token
+    plan = plan_step([[0.6] * 8, [0.9] * 8], cost)
+    assert plan.lengths == [0, 0] and plan.draft_tokens == 0
+    # Caps (engine room, predicted remaining length) bound each request.
+    cheap = StepCostModel(1.0, 0.0, 1e-4)
+    assert plan_step([[1.0] * 8, [1.0] * 8], cheap, caps=[3, 0]).lengths == [3, 0]
+
+
+def test_remaining_cap_follows_predicted_length():
+    assert remaining_cap(10, None, 1.5) is None
+    assert remaining_cap(10, 20, 0.0) is None
+    assert remaining_cap(10, 20, 1.0) == 9  # 10 tokens left: the last is sampled, 9 can be drafted
+    assert remaining_cap(10, 8, 1.0) is None  # past the prediction: the tail, no cap
+    assert remaining_cap(0, 2, 1.0) == 1
+
+
+def test_acceptance_tracker_learns_per_source_and_request():
+    t = AcceptanceTracker(prior=0.5, prior_weight=2.0, request_weight=2.0)
+    assert t.survival("r", "history", [1.0, 0.5]) == [0.5, 0.25]
+    for _ in range(50):
+        t.observe("a", "history", [1.0] * 4, 4)  # always fully accepted
+        t.observe("b", "global", [1.0] * 4, 0)  # always rejected
+    assert t.source_rate("history") > 0.9 and t.source_rate("global") < 0.1
+    # A request that keeps failing on a good source is trusted less than a new one.
+    for _ in range(20):
+        t.observe("c", "history", [1.0] * 4, 0)
+    assert t.survival("c", "history", [1.0])[0] < 0.5 * t.survival("new", "history", [1.0])[0]
+    t.end("c")
+    assert t.request_factor("c") == 1.0
+
+
+def _proposer(**kw):
+    cfg = dataclasses.replace(HistoSpecConfig(), start_after=0, min_match=1, **kw)
+    store = HistoryStore(cfg)
+    return store, cfg
+
+
+def test_goodput_rule_gives_empty_drafts_and_counts_bypassed_steps():
+    store, cfg = _proposer(include_global=False, step_cost_fixed_ms=0.0, step_cost_per_request_ms=0.0,
+                           step_cost_per_token_ms=1.0)
+    store.add_group(1, 0, [list(range(40))])
+    p = DraftProposer(store, cfg)
+    p.begin("a", 1)
+    assert p.propose_step([("a", [0, 1, 2], 8)])[0].tokens == []  # every scored token costs the same: no draft pays
+    st = p.stats()
+    assert st["steps"] == 1 and st["steps_without_drafts"] == 1 and st["steps_without_drafts_fraction"] == 1.0
+    # The same request drafts when the step has a fixed cost to amortise.
+    store2, cfg2 = _proposer(include_global=False)
+    store2.add_group(1, 0, [list(range(40))])
+    q = DraftProposer(store2, cfg2)
+    q.begin("a", 1)
+    d = q.propose_step([("a", [0, 1, 2], 8)])[0]
+    assert d.tokens == list(range(3, 3 + len(d.tokens))) and len(d.tokens) >= 2
+    assert q.stats()["steps_without_drafts"] == 0
+
+
+def test_predicted_length_caps_goodput_drafts():
+    store, cfg = _proposer(include_global=False, length_margin=1.0)
+    store.add_group(1, 0, [list(range(40))])
+    p = DraftProposer(store, cfg)
+    p.begin("a", 1, predicted_len=6)
+    assert len(p.propose_step([("a", [0, 1, 2], 8)])[0].tokens) == 2  # 3 tokens left, the last one is sampled
+    assert p.stats()["capped_by_length"] == 1
+
+
+def test_in_flight_siblings_and_own_output_are_draft_sources():
+    store, cfg = _proposer(include_global=False, draft_rule="fixed", fixed_len=4)
+    p = DraftProposer(store, cfg)
+    p.begin("a", 7, group="g")
+    p.begin("b", 7, group="g")
+    # a is mid-flight: its emitted tokens are indexed as it goes, before it finishes.
+    p.propose_step([("a", [5, 6, 7, 8, 9, 10], 4)])
+    d = p.propose_step([("b", [5, 6], 4)])[0]
+    assert d.tokens == [7, 8, 9, 10]
+    # Its own earlier output: a repeats a phrase it wrote before.
+    d = p.propose_step([("a", [5, 6, 7, 8, 9, 10, 1, 5, 6], 4)])[0]
+    assert d.tokens[:2] == [7, 8]
+    assert p.stats()["source/group/drafts"] == 2
+
+
+def test_global_index_drafts_from_other_prompts():
+    store, cfg = _proposer(draft_rule="fixed", fixed_len=4)
+    store.add_group(1, 0, [[20, 21, 22, 23, 24, 25]])
+    p = DraftProposer(store, cfg)
+    p.begin("x", 999)  # an unseen prompt that phrases its answer like prompt 1
+    assert p.propose_step([("x", [21, 22], 4)])[0].tokens == [23, 24, 25]
+    st = p.stats()
+    assert st["source/global/drafts"] == 1 and st["history_served_fraction"] == 0.0
+    off = DraftProposer(store, dataclasses.replace(cfg, include_global=False))
+    off.begin("x", 999)
+    assert off.propose_step([("x", [21, 22], 4)])[0].tokens == []
+
+
+def test_prior_step_cost_ignores_timings_and_rollouts_start_afresh():
+    store, cfg = _proposer(step_cost="prior")
+    p = DraftProposer(store, cfg)
+    for _ in range(50):
+        p.observe_step(8, 40, 5.0)
+    assert p.cost.coef == (cfg.step_cost_fixed_ms * 1e-3, cfg.step_cost_per_request_ms * 1e-3,
+                           cfg.step_cost_per_token_ms * 1e-3)
+    p.acceptance.observe("a", "history", [1.0] * 4, 4)
+    p.start_rollout()
+    assert p.acceptance.source_rate("history") == cfg.acceptance_prior
+    m = DraftProposer(store, dataclasses.replace(cfg, step_cost="measured"))
+    for _ in range(50):
+        m.observe_step(8, 40, 5.0)
+    assert m.cost.coef != p.cost.coef
+
+
+def test_prompt_joins_the_group_index():
+    store, cfg = _proposer(include_global=False, draft_rule="fixed", fixed_len=3)
+    p = DraftProposer(store, cfg)
+    p.begin("a", 5, group="g", prompt=[40, 41, 42, 43, 44])
+    assert p.propose_step([("a", [9, 41], 3)])[0].tokens == [42, 43, 44]
+
+
+def test_cost_model_survives_rare_drafts_and_stretched_steps():
+    """Drafts on 10% of steps, 30% of steps stretched 1-10x by other processes: the
+    draft-token share of a row's cost stays near the truth (0.26), so drafting neither
+    collapses nor runs away."""
+    for seed in range(4):
+        rng = random.Random(seed)
+        m = StepCostModel(0.055, 0.0046, 0.0016)
+        for _ in range(300):
+            r = rng.randint(20, 32)
+            d = 0 if rng.random() < 0.9 else rng.randint(1, r)
+            stretch = 1.0 if rng.random() < 0.7 else rng.uniform(1, 10)
+            m.observe_step(r, r + d, (0.055 + 0.0046 * r + 0.0016 * (r + d)) * stretch)
+        _, per_req, per_tok = m.coef
+        assert 0.1 < per_tok / (per_req + per_tok) < 0.5, (seed, m.coef)
