@@ -32,7 +32,7 @@ class ScriptedEngine:
         self.calls: list[dict] = []
         self._metrics: dict = {}
 
-    def generate(self, prompts, n, spec, group_ids=None, epoch=0, record_history=True):
+    def generate(self, prompts, n, spec, group_ids=None, epoch=0, record_history=True, predicted_lengths=None):
         out = []
         for j, p in enumerate(prompts):
             seed = spec.seed + j
