@@ -20,7 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("colocated_step_worker.py")
 SMALL = ["model.path=builtin:tiny", "data.size=4", "data.prompts_per_step=2", "rollout.n=2",
          "rollout.max_tokens=6", "reward.workers=0", "tracking.wandb=disabled",
-         "tracking.console=none", "checkpoint.every_steps=1", "run.save_traces=false"]
+         "tracking.console=none", "checkpoint.every_steps=1", "run.save_traces=false",
+         # A KL reference: its log-prob pass gathers over data parallel (an on-policy step
+         # without one takes its log-probs from the loss's forward and gathers nothing).
+         "algo.kl_coef=0.01"]
 
 # One step of the colocated protocol, as recorded (rank-local calls only).
 STEP = ["rollout", "engine.sleep", "train", "trainer.offload", "engine.wake_up:weights", "engine.load_weights",
@@ -48,6 +51,6 @@ def test_colocated_steps_collectives_on_group_device_and_call_order(tmp_path):
     for part in (first, resumed):
         checked = part[0]["audit"]["checked"]
         # The step's own collectives ran through the audit: the stop flag (all_reduce) and the
-        # data-parallel log-prob gather.
+        # data-parallel gather of the reference log-probs.
         assert checked.get("all_reduce/own", 0) >= 1 and checked.get("all_gather/own", 0) >= 1, checked
         assert part[0]["audit"]["bridged"] >= 2
