@@ -290,6 +290,9 @@ class TrackingConfig:
     entity: str = ""
     log_samples_every: int = 5
     console: Literal["rich", "plain", "none"] = "plain"
+    # Seconds between live progress lines inside a step's rollout and training on rank 0
+    # (requests finished, tokens, micro-batches); 0 turns them off.
+    progress_interval_s: float = 10.0
 
 
 @dataclass
@@ -657,6 +660,7 @@ def check_static(cfg: RunConfig) -> None:
     _require(p.pipeline_parallel >= 1, "parallel.pipeline_parallel", "must be >= 1")
     _require(p.data_parallel >= 0, "parallel.data_parallel", "must be >= 0 (0 = derive)")
     _require(p.world_size >= 0, "parallel.world_size", "must be >= 0 (0 = from the launcher)")
+    _require(cfg.tracking.progress_interval_s >= 0, "tracking.progress_interval_s", "must be >= 0 (0 = off)")
     if p.backend == "deepspeed":
         _require(p.tensor_parallel == 1 and p.pipeline_parallel == 1, "parallel.backend",
                  "deepspeed shards with ZeRO only; set parallel.tensor_parallel=1 and parallel.pipeline_parallel=1")

@@ -28,6 +28,8 @@ class PhaseProgress:
         self._done = 0
         self._counters: dict[str, float] = {}
         self._shown = False
+        # Set by the owner of the run (e.g. "step 3"): the phases' owners do not know the step.
+        self.context = ""
 
     def start(self, label: str, total: int, unit: str) -> None:
         self._label, self._total, self._unit = label, total, unit
@@ -51,7 +53,8 @@ class PhaseProgress:
 
     def line(self, now: Optional[float] = None) -> str:
         elapsed = (self.clock() if now is None else now) - self._t0
-        parts = [f"{self._label}: {self._done}/{self._total} {self._unit}"]
+        label = f"{self.context} {self._label}" if self.context else self._label
+        parts = [f"{label}: {self._done}/{self._total} {self._unit}"]
         for name, value in self._counters.items():
             rate = f" ({value / elapsed:,.0f}/s)" if elapsed > 0 else ""
             parts.append(f"{int(value):,} {name}{rate}")

@@ -129,7 +129,15 @@ class Trainer:
             # A frozen copy of the initial policy (no optimizer): its log-probs are the KL reference.
             self.ref_backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype,
                                              seed=cfg.run.seed, temperature=temp, train=False)
+        from rhymerl.progress import PhaseProgress
+
+        # Rank 0's live lines inside the long phases; the other ranks keep their logs quiet.
+        self.progress = PhaseProgress(interval_s=cfg.tracking.progress_interval_s,
+                                      enabled=comm.rank == 0 and cfg.tracking.console != "none"
+                                      and cfg.tracking.progress_interval_s > 0)
+        self.backend.progress = self.progress
         self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + self.instance,
+                                    progress=self.progress if comm.rank == 0 else None,
                                     history=self.history, dtype=cfg.model.dtype,
                                     cpu_kv_cache_bytes=self._cpu_kv_cache_bytes(),
                                     distributed=rtp > 1, tensor_parallel_size=rtp if rtp > 1 else None)
@@ -407,6 +415,7 @@ class Trainer:
     def train_step(self) -> StepOutput:
         cfg = self.cfg
         t_step = time.perf_counter()
+        self.progress.context = f"step {self.step}"
         batch = self.sampler.next_batch()
         idx = batch.indices
         samples, metrics = self._rollout(idx, batch.epoch)

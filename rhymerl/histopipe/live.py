@@ -156,6 +156,10 @@ class LiveRollout:
                         self._submit(reqs[r], r, tokens, admissions, vid_of, running, sampling, run_seed, step, tag)
 
         admit_all()
+        progress = getattr(self.engine, "progress", None)
+        n_done, n_tokens = 0, 0
+        if progress is not None:
+            progress.start(f"rollout (instance {me} of {N})", total=R, unit="responses of the step")
         while sched.left > 0:
             rounds += 1
             t_round = time.perf_counter()
@@ -176,6 +180,7 @@ class LiveRollout:
                     if r is None:
                         continue
                     tokens[r].extend(toks)
+                    n_tokens += len(toks)
                     lps[r].extend(lp)
                     if toks:
                         fwd[r] += 1
@@ -191,6 +196,9 @@ class LiveRollout:
                     sched.finished(r, n)
                 for r, n in prog:
                     sched.progress(r, n)
+            if progress is not None:
+                n_done += sum(len(fin) for fin, _ in gathered)
+                progress.update(n_done, tokens_here=n_tokens)
             moves = sched.moves()
             if moves:
                 mine_out = {}
@@ -220,6 +228,8 @@ class LiveRollout:
                                        f"{len(tokens[m.rid])} tok" for m in moves))
             admit_all()
         makespan = time.perf_counter() - t0
+        if progress is not None:
+            progress.finish()
         # Finished responses are complete on the rank that finished them; share them.
         mine = {r: (tokens[r], lps[r], reason[r]) for r in range(R) if reason[r] is not None}
         busy_all = comm.all_gather_object((mine, busy, samples, fwd))

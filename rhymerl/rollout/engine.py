@@ -202,9 +202,12 @@ class RolloutEngine:
 
     def __init__(self, cfg: RolloutConfig, histospec_cfg: HistoSpecConfig, model_path: Path, seed: int,
                  history: Any = None, dtype: str = "float32", distributed: bool = False,
-                 tensor_parallel_size: Optional[int] = None, cpu_kv_cache_bytes: Optional[int] = None):
+                 tensor_parallel_size: Optional[int] = None, cpu_kv_cache_bytes: Optional[int] = None,
+                 progress: Any = None):
         t0 = time.perf_counter()
         self.cfg = cfg
+        # A rhymerl.progress.PhaseProgress (rank 0's console) or None: generate() reports into it.
+        self.progress = progress
         self.histospec_cfg = histospec_cfg
         self.model_path = Path(model_path)
         self.method = cfg.speculative
@@ -415,6 +418,9 @@ class RolloutEngine:
             self._warn_once("nohist", "histospec: %d of %d prompts have no history yet; they get no history drafts",
                             no_hist, len(prompts))
         steps = 0
+        done, generated = 0, 0
+        if self.progress is not None:
+            self.progress.start("rollout", total=len(reqs), unit="responses")
         while self._engine.has_unfinished_requests():
             outs = self._engine.step()
             now = time.perf_counter() - t0
@@ -428,6 +434,7 @@ class RolloutEngine:
                         if not r.token_ids:
                             r.first_token_s = now
                         r.token_ids.extend(c.token_ids)
+                        generated += len(c.token_ids)
                         r.forwards += 1
                         if r.logprobs is not None and c.logprobs:
                             r.logprobs.extend(float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs))
@@ -435,9 +442,14 @@ class RolloutEngine:
                         r.finish_reason = c.finish_reason
                 if ro.finished:
                     r.finish_s = now
+                    done += 1
                     if proposer is not None:
                         proposer.end_request(ro.request_id, r.token_ids)
             steps += produced
+            if self.progress is not None:
+                self.progress.update(done, tokens=generated)
+        if self.progress is not None:
+            self.progress.finish()
         wall = time.perf_counter() - t0
         if proposer is not None:
             proposer.end_all()

@@ -53,6 +53,9 @@ def deepspeed_config(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, dt
 class DeepSpeedBackend:
     """``TrainingBackend`` on DeepSpeed ZeRO. Construct through ``rhymerl.training.build_backend``."""
 
+    # A rhymerl.progress.PhaseProgress (rank 0's console) or None; set by the trainer.
+    progress = None
+
     def __init__(self, parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path,
                  groups: ProcessGroups, dtype: str = "float32", seed: int = 0, *,
                  temperature: float = 1.0, loss_fn=None, train: bool = True):
@@ -131,7 +134,12 @@ class DeepSpeedBackend:
         num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
         self.engine.train()
         per_micro, loss_total = [], 0.0
+        progress = self.progress
+        if progress is not None:
+            progress.start("training", total=len(micro), unit="micro-batches")
         for i, mb in enumerate(micro):
+            if progress is not None:
+                progress.update(i, tokens=sum(int(m["input_ids"].numel()) for m in micro[:i]))
             lp = self._forward_lp(mb["input_ids"])
             loss, metrics = micro_batch_loss(loss_fn, lp, mb, self.algo_cfg, num_tokens, float(B))
             self.engine.set_gradient_accumulation_boundary(i == plan.num_micro - 1)
@@ -139,6 +147,8 @@ class DeepSpeedBackend:
             self.engine.backward(loss * g.dp_size, scale_wrt_gas=False)
             loss_total += float(loss.detach())
             per_micro.append(metrics)
+        if progress is not None:
+            progress.finish()
         self.engine.step()
         self.steps += 1
         if g.dp_size > 1:

@@ -112,6 +112,9 @@ def combine_metrics(per_micro: list[dict]) -> dict:
 class MegatronBackend:
     """``TrainingBackend`` on megatron-core. Construct through ``rhymerl.training.build_backend``."""
 
+    # A rhymerl.progress.PhaseProgress (rank 0's console) or None; set by the trainer.
+    progress = None
+
     def __init__(self, parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path,
                  groups: ProcessGroups, dtype: str = "float32", seed: int = 0, *,
                  temperature: float = 1.0, loss_fn: Optional[LossFn] = None, train: bool = True,
@@ -230,18 +233,29 @@ class MegatronBackend:
 
         g = self.groups
         rows, seq = micro[0]["input_ids"].shape
+        progress = self.progress
+        seen = 0
+        if progress is not None:
+            progress.start("log-probs" if forward_only else "training", total=len(micro), unit="micro-batches")
 
         def forward_step(data_iterator, model):
+            nonlocal seen
             mb = next(data_iterator)
+            if progress is not None:
+                progress.update(seen, tokens=sum(int(m["input_ids"].numel()) for m in micro[:seen]))
+            seen += 1
             ids = mb["input_ids"].to(g.device)
             # Without pipeline stages each micro-batch may be cut to its own longest row.
             pos = torch.arange(ids.shape[1], device=g.device).unsqueeze(0).expand(ids.shape[0], -1)
             out = model(ids, pos, None)
             return out, partial(loss_func, mb)
 
-        return get_forward_backward_func()(
+        out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
             num_microbatches=len(micro), seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
+        if progress is not None:
+            progress.finish()
+        return out
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         g = self.groups

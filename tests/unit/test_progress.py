@@ -41,3 +41,18 @@ def test_disabled_progress_writes_nothing():
     p.update(2)
     assert out.getvalue() == ""
     assert p.line() == "train: 2/4 micro-batches, 5 s"
+
+
+def test_context_names_the_step_and_finish_ends_a_terminal_line():
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out, clock = Tty(), Clock()
+    p = PhaseProgress(stream=out, interval_s=1.0, clock=clock)
+    p.context = "step 7"
+    p.start("training", total=4, unit="micro-batches")
+    clock.t += 2
+    p.update(3, tokens=3000)
+    p.finish()
+    assert out.getvalue() == "\r\x1b[2Kstep 7 training: 3/4 micro-batches, 3,000 tokens (1,500/s), 2 s\n"

@@ -18,6 +18,7 @@ from rhymerl.histopipe import LengthPredictor, NoopPlanner
 from rhymerl.histospec import HistoryStore, prompt_key
 from rhymerl.rewards import RewardPool, RewardResult
 from rhymerl.rollout.engine import Response, RolloutResult
+from rhymerl.progress import PhaseProgress
 from rhymerl.trainer import Trainer
 
 pytestmark = pytest.mark.cpu
@@ -90,6 +91,7 @@ def make_trainer(answers: list[str], *overrides: str, rank: int = 0, instances: 
     t._train = lambda samples, adv: t.trained.append((samples, adv)) or {"time/train_s": 0.0}
     t._reshard = lambda: {}
     t.colocation = Colocation(t.engine, None, sleep_level=0)  # no sleep/wake, no offload: nothing to release
+    t.progress = PhaseProgress(enabled=False)
     return t
 
 

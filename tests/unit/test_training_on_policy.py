@@ -71,7 +71,10 @@ def test_on_policy_gradient_equals_separate_pass(loss_agg):
     assert g_sep.keys() == g_on.keys()
     for k in g_on:
         assert g_on[k].abs().sum() > 0 or g_sep[k].abs().sum() == 0, k
-        torch.testing.assert_close(g_on[k], g_sep[k], rtol=1e-5, atol=1e-9, msg=k)
+        # The two passes differ only by float32 rounding of the ratio (~1e-7 of each tensor's
+        # scale); an element-wise rtol alone fails on elements that nearly cancel.
+        scale = float(g_sep[k].abs().max())
+        torch.testing.assert_close(g_on[k], g_sep[k], rtol=1e-5, atol=1e-5 * scale + 1e-12, msg=k)
     # Ratio exactly 1, nothing clipped, and the separate pass agreed to float rounding.
     for m in m_on:
         if m["tokens"]:
