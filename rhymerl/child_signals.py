@@ -4,7 +4,7 @@ Slurm signals every process of a job step (``scancel --signal=USR1``, ``--signal
 the time limit's SIGTERM), not only the trainer: the default action of SIGUSR1/SIGTERM would
 kill the checkpoint writer's results queue, the reward workers and W&B's service in the
 middle of the very save the signal asks for. Those signals are meant for the trainer, which
-decides (launch.preemption); its helpers must ignore them and end when the trainer ends.
+decides (rhymerl.launch.preemption); its helpers must ignore them and end when the trainer ends.
 
 - ``shielded_start()`` wraps the code that starts a helper: the starting thread blocks
   ``JOB_SIGNALS`` meanwhile, and a blocked mask is inherited through fork and exec (a Python

@@ -12,12 +12,12 @@ import sys
 
 # name -> (module, function, one-line help)
 BENCHES = {
-    "histospec": ("bench.histospec", "main", "HistoSpec drafting vs n-gram/suffix on rollout traces (forward passes per token)"),
-    "rollout": ("bench.rollout", "main", "vLLM rollout in the RL loop: no-spec vs ngram vs suffix vs HistoSpec; --sweep"),
-    "step": ("bench.step", "main", "where an engine step's time goes; the zero-draft tax of speculation"),
-    "reshard": ("bench.reshard", "main", "Megatron -> vLLM weight transfer: GB/s and peak memory per bucket size"),
-    "e2e": ("bench.e2e", "main", "RL step time with HistoSpec+HistoPipe on vs off, vs ngram and suffix"),
-    "memory": ("bench.memory", "main", "peak resident memory of one RL step, bytes per parameter by component"),
+    "histospec": ("rhymerl.bench.histospec", "main", "HistoSpec drafting vs n-gram/suffix on rollout traces (forward passes per token)"),
+    "rollout": ("rhymerl.bench.rollout", "main", "vLLM rollout in the RL loop: no-spec vs ngram vs suffix vs HistoSpec; --sweep"),
+    "step": ("rhymerl.bench.step", "main", "where an engine step's time goes; the zero-draft tax of speculation"),
+    "reshard": ("rhymerl.bench.reshard", "main", "Megatron -> vLLM weight transfer: GB/s and peak memory per bucket size"),
+    "e2e": ("rhymerl.bench.e2e", "main", "RL step time with HistoSpec+HistoPipe on vs off, vs ngram and suffix"),
+    "memory": ("rhymerl.bench.memory", "main", "peak resident memory of one RL step, bytes per parameter by component"),
 }
 SIMULATIONS = {
     "histopipe": ("rhymerl.histopipe.simulator", "main", "cluster simulator: rollout schedulers on N GPUs"),
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 2
             sys.stdout.write(to_yaml(cfg))
             return 0
-        return _dispatch(("launch.train", "run_from_config", ""), [args.config, *args.overrides], "train")
+        return _dispatch(("rhymerl.launch.train", "run_from_config", ""), [args.config, *args.overrides], "train")
     if args.cmd == "bench":
         return _dispatch(BENCHES[args.name], args.args, f"bench {args.name}")
     if args.cmd == "simulate":
@@ -114,5 +114,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "slurm":
         rest = [args.action, args.config, *args.overrides] + (["--dry-run"] if args.dry_run else []) \
             + (["--no-check"] if args.no_check else [])
-        return _dispatch(("launch.slurm", "main", ""), rest, "slurm")
+        return _dispatch(("rhymerl.launch.slurm", "main", ""), rest, "slurm")
     return 2

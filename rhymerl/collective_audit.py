@@ -26,7 +26,7 @@ from rhymerl import devices
 
 TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
                       "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv")
-OWN_PACKAGES = ("rhymerl", "launch")
+OWN_PACKAGES = ("rhymerl",)
 
 
 _lazy_ready = False

@@ -37,7 +37,7 @@ Measured with ``python -m rhymerl bench histospec`` (synthetic traces, similarit
 0.5-0.95): among the per-request rules ``adaptive`` has the best modelled speedup
 (fixed 4..32, aimd, mimd), and ``min_match=1, start_after=0`` beat the released 4/4 at every
 similarity (the ``min_prob`` cut already rejects ambiguous short matches). The
-benchmark's main rows use those settings (``bench/histospec.py: RECOMMENDED``).
+benchmark's main rows use those settings (``rhymerl/bench/histospec.py: RECOMMENDED``).
 
 Not thread-safe: the engine calls it from one thread. ``generated`` must extend the
 previous call's tokens for the same request (a changed last token or a jump of more

@@ -1,6 +1,6 @@
 """One rank of the colocated-step test (started by rhymerl.training.local_launch.run_ranks).
 
-Runs the real driver (``launch.train.run``: trainer, vLLM engine, megatron backend, checkpoints)
+Runs the real driver (``rhymerl.launch.train.run``: trainer, vLLM engine, megatron backend, checkpoints)
 with the collective-device audit installed and, on CPU, gloo declared to take ``lazy`` tensors, so
 any collective handed a tensor that was not put on its group's device fails the run (on a GPU
 NCCL's CUDA is audited as it is; tests/gpu/smoke.sh runs it there). The calls the
@@ -38,7 +38,7 @@ def _record(cls, name: str, label: str) -> None:
 
 def main() -> int:
     out, config, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    from launch.train import run
+    from rhymerl.launch.train import run
     from rhymerl import devices
     from rhymerl.checkpoint import CheckpointManager
     from rhymerl.collective_audit import CollectiveAudit, lazy_device

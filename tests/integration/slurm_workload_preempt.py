@@ -1,7 +1,7 @@
 """srun task for the Slurm preemption test: the trainer's preemption contract on a toy loop.
 
 Each step all-reduces (rank+1)*step plus a random draw from this rank's python RNG into a
-running total. On SIGUSR1 (launch.preemption) the ranks agree at the step end, save a
+running total. On SIGUSR1 (rhymerl.launch.preemption) the ranks agree at the step end, save a
 checkpoint through CheckpointManager (total, step, per-rank RNG, a per-rank backend shard),
 rank 0 runs `scontrol requeue`, and all exit 0. The restarted job resumes from the newest
 valid checkpoint, so the final total equals an uninterrupted run's only if the resume is exact.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from launch.preemption import PreemptionHandler, requeue_current_job
+from rhymerl.launch.preemption import PreemptionHandler, requeue_current_job
 from rhymerl.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
 from rhymerl.config import load_config, to_dict
 

@@ -57,7 +57,7 @@ def train(out: Path, *overrides: str, nproc: int = 1, config: Path = CONFIG, tim
         cmd = [sys.executable, "-m", "rhymerl", "train", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", "-m", "launch.rank_main", *args]
+               f"--master_port={_free_port()}", "-m", "rhymerl.launch.rank_main", *args]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"training failed (rc={res.returncode}):\n{res.stderr[-6000:]}"
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

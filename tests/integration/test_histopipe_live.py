@@ -27,7 +27,7 @@ def _free_port() -> int:
 def test_two_ranks_live_dispatch_measures_every_policy(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={_free_port()}", "-m", "launch.rank_main", str(REPO / "configs" / "tiny-cpu.yaml"),
+           f"--master_port={_free_port()}", "-m", "rhymerl.launch.rank_main", str(REPO / "configs" / "tiny-cpu.yaml"),
            f"run.output_dir={tmp_path}", "run.max_steps=1", "model.path=builtin:tiny", "data.size=4",
            "data.prompts_per_step=4", "rollout.max_tokens=16", "rollout.max_num_seqs=2", "tracking.wandb=disabled",
            "checkpoint.every_steps=0", "histopipe.compare_baselines=true", "histopipe.slice_s=0.01"]

@@ -103,7 +103,7 @@ def test_bad_resume_path_ends_every_rank_with_the_message(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     bad = tmp_path / "no-such-checkpoint"
-    cmd = [sys.executable, "-m", "launch.rank_main", str(REPO / "configs/tiny-cpu.yaml"), "model.path=builtin:tiny",
+    cmd = [sys.executable, "-m", "rhymerl.launch.rank_main", str(REPO / "configs/tiny-cpu.yaml"), "model.path=builtin:tiny",
            "parallel.tensor_parallel=2", f"run.output_dir={tmp_path / 'run'}", f"checkpoint.resume={bad}",
            "tracking.wandb=disabled"]
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

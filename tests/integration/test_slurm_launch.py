@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.slurm import PORT_BASE, PORT_SPAN, render_script
+from rhymerl.launch.slurm import PORT_BASE, PORT_SPAN, render_script
 from rhymerl.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
 from slurm_helpers import (  # noqa: F401  (slurm_cluster is a fixture)

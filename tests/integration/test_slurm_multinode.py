@@ -21,7 +21,7 @@ from typing import Optional
 
 import pytest
 
-from launch.slurm import render_script
+from rhymerl.launch.slurm import render_script
 from rhymerl.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
 from slurm_helpers import REPO, TERMINAL, SlurmJob, job_info, wait_job, wait_until

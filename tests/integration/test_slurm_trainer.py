@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.slurm import render_script
+from rhymerl.launch.slurm import render_script
 from rhymerl.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
 from slurm_helpers import REPO, TERMINAL, SlurmJob, job_info, slurm_cluster, start_job  # noqa: F401

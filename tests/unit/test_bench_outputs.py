@@ -16,7 +16,7 @@ def test_quiet_stdout_sends_native_writes_to_stderr():
     """vLLM and Megatron log through file descriptor 1: inside quiet_stdout that lands on stderr."""
     code = (
         "import os, sys, json\n"
-        "from bench.rollout import quiet_stdout\n"
+        "from rhymerl.bench.rollout import quiet_stdout\n"
         "with quiet_stdout():\n"
         "    os.write(1, b'INFO engine log line\\n')\n"
         "    print('a python print')\n"
@@ -28,7 +28,7 @@ def test_quiet_stdout_sends_native_writes_to_stderr():
 
 
 def test_e2e_step_rows_keep_the_reward_apart_from_the_reward_phase_time():
-    from bench.e2e import step_row, summarize
+    from rhymerl.bench.e2e import step_row, summarize
 
     rows = [step_row(e, {"time/step_s": 2.0 + e, "reward/mean": 0.25 + e, "time/reward_s": 0.5, "time/rollout_s": 1.5,
                          "histospec/tokens_per_forward": 1.0 + e, "response/len_mean": 100.0}) for e in (0, 1, 2)]
@@ -40,7 +40,7 @@ def test_e2e_step_rows_keep_the_reward_apart_from_the_reward_phase_time():
 
 
 def test_sweep_cells_take_whole_groups_in_prompt_order():
-    from bench.rollout import Workload, _cell_requests
+    from rhymerl.bench.rollout import Workload, _cell_requests
     from rhymerl.config import HistoSpecConfig, RolloutConfig
 
     w = Workload(None, [[1], [2], [3]], RolloutConfig(n=4), HistoSpecConfig(), 0, 8)
@@ -51,7 +51,7 @@ def test_sweep_cells_take_whole_groups_in_prompt_order():
 
 
 def test_sweep_table_prints_every_cell():
-    from bench.rollout import _sweep_table
+    from rhymerl.bench.rollout import _sweep_table
 
     cells = [{"temperature": t, "concurrency": c, "ratio": 1.0 + t + c / 100, "tokens_per_forward": 2.0}
              for t in (0.0, 1.0) for c in (1, 64)]
@@ -61,7 +61,7 @@ def test_sweep_table_prints_every_cell():
 
 
 def test_fit_line_recovers_fixed_and_per_request_cost():
-    from bench.step import fit_line
+    from rhymerl.bench.step import fit_line
 
     assert fit_line([(2, 70.0), (32, 250.0)]) == pytest.approx((58.0, 6.0))
     assert fit_line([(8, 100.0)]) == (100.0, 0.0)
@@ -69,7 +69,7 @@ def test_fit_line_recovers_fixed_and_per_request_cost():
 
 def test_phase_timer_follows_a_method_patched_after_wrapping():
     """bench step swaps vLLM patches in and out on a wrapped engine: the timer must call the current one."""
-    from bench.step import PhaseTimer
+    from rhymerl.bench.step import PhaseTimer
 
     class Runner:
         def sample(self, x):

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 # queue (a spawned Manager); it survives the job's signals through its own handler.
 PARENT = textwrap.dedent("""
     import os, signal, sys, time
-    from launch.preemption import PreemptionHandler
+    from rhymerl.launch.preemption import PreemptionHandler
     from rhymerl.child_signals import start_shielded_manager
     from rhymerl.config import RewardConfig
     from rhymerl.rewards import RewardItem, RewardPool

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from bench import histospec as bench
+from rhymerl.bench import histospec as bench
 from rhymerl.histospec.baselines import NgramDrafter, SuffixDecodingDrafter, suffix_speculate
 from rhymerl.histospec.index import SuffixAutomaton
 from rhymerl.histospec.synthetic import synthetic_trace
@@ -96,7 +96,7 @@ def test_real_smollm2_trace_ordering():
 
     repo = Path(__file__).resolve().parents[2]
     res = subprocess.run([sys.executable, "-m", "rhymerl", "bench", "histospec", "--json", "--no-forward-timing",
-                          "--ablations", "none", "--trace", str(repo / "bench/traces/smollm2-chain-sum-grpo.jsonl")],
+                          "--ablations", "none", "--trace", str(repo / "rhymerl/bench/traces/smollm2-chain-sum-grpo.jsonl")],
                          capture_output=True, text=True, cwd=repo, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     m = {k: v["tokens_per_forward"] for k, v in json.loads(res.stdout)["methods"].items()}

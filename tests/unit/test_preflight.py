@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import launch.slurm as sl
+import rhymerl.launch.slurm as sl
 from rhymerl.config import ConfigError, load_config
 from rhymerl.preflight import preflight
 

@@ -1,4 +1,4 @@
-"""launch.slurm: the rendered sbatch script for one node / many nodes, and config checks."""
+"""rhymerl.launch.slurm: the rendered sbatch script for one node / many nodes, and config checks."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch import slurm as sl
+from rhymerl.launch import slurm as sl
 from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig
 
 pytestmark = pytest.mark.cpu
@@ -66,7 +66,7 @@ def test_examples_run_a_shipped_config_on_the_hardware_they_request():
 
     for name in EXAMPLES:
         text = (REPO / "slurm" / name).read_text()
-        config = text.split("-m launch.rank_main ", 1)[1].split()[0].removeprefix(f"{PLACEHOLDER}/")
+        config = text.split("-m rhymerl.launch.rank_main ", 1)[1].split()[0].removeprefix(f"{PLACEHOLDER}/")
         cfg = load_config(REPO / config)
         gpus = next((int(d.split("=")[1]) for d in _directives(text) if d.startswith("--gpus-per-node=")), 0)
         # A GPU script must not run the CPU config (and the reverse): the devices would sit idle.
@@ -83,7 +83,7 @@ def test_single_node_cpu_script():
     assert not any(x.startswith("--gpus") for x in d)
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in text
     assert "NCCL_DEBUG" not in text
-    assert (f'"$PYTHON" -m launch.rank_main {PLACEHOLDER}/configs/tiny-cpu.yaml algo.lr=1e-6 '
+    assert (f'"$PYTHON" -m rhymerl.launch.rank_main {PLACEHOLDER}/configs/tiny-cpu.yaml algo.lr=1e-6 '
             "'data.system_prompt=be brief; think' &") in text
     assert 'JOB_LOG_DIR="$LOG_ROOT/${SLURM_JOB_NAME}-${SLURM_JOB_ID}"' in text
 

@@ -36,7 +36,7 @@ def test_each_kind_has_its_own_exit_code(tmp_path, capsys):
 
 
 def test_a_run_that_meets_bad_data_exits_with_one_line(tmp_path, monkeypatch, capsys):
-    import launch.train as lt
+    import rhymerl.launch.train as lt
 
     def run(cfg, rank, world_size, preempt=None):  # what the trainer raises on the second row of a prompt file
         raise DatasetError(f"{tmp_path}/prompts.jsonl:2: missing 'answer'")

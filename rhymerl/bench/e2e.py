@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         ap.error(f"--methods: unknown {bad or methods}; allowed: {', '.join(METHODS)}")
-    from bench.rollout import quiet_stdout
+    from rhymerl.bench.rollout import quiet_stdout
 
     with quiet_stdout():
         out = _run(args, methods)

@@ -1,7 +1,7 @@
 """The run driver: process groups -> trainer -> steps, with resume, tracking and preemption.
 
 `python -m rhymerl train CONFIG ...` lands in ``run_from_config`` (one process, or one
-rank of torchrun/srun when the launcher's environment says so). ``launch/rank_main.py``
+rank of torchrun/srun when the launcher's environment says so). ``rhymerl/launch/rank_main.py``
 is the same entry for srun/torchrun tasks.
 """
 
@@ -92,9 +92,9 @@ def _trace_rows(trainer, out) -> list[dict]:
 
 
 def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int:
-    """``preempt``: a launch.preemption.PreemptionHandler installed by the caller as early as
+    """``preempt``: a rhymerl.launch.preemption.PreemptionHandler installed by the caller as early as
     possible (a signal before it exists kills the process); one is installed here otherwise."""
-    from launch.preemption import PreemptionHandler, requeue_current_job
+    from rhymerl.launch.preemption import PreemptionHandler, requeue_current_job
 
     preempt = preempt if preempt is not None else PreemptionHandler()
     import torch
@@ -184,7 +184,7 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
 
 
 def run_from_config(argv: list[str]) -> int:
-    from launch.preemption import PreemptionHandler
+    from rhymerl.launch.preemption import PreemptionHandler
 
     # First: a preemption notice that arrives while the trainer starts must not kill it.
     preempt = PreemptionHandler()

@@ -125,7 +125,7 @@ VARIANTS = {
 
 
 def run(args) -> dict:
-    from bench.rollout import _prompts
+    from rhymerl.bench.rollout import _prompts
     from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
     from rhymerl.histospec import HistoryStore
     from rhymerl.models import resolve_model
@@ -220,7 +220,7 @@ def main(argv: list[str]) -> int:
     # As bench rollout: one intra-op thread, what vLLM serves with on a 2-core host.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from bench.rollout import quiet_stdout
+    from rhymerl.bench.rollout import quiet_stdout
 
     with quiet_stdout():
         out = run(args)

@@ -1,7 +1,7 @@
 """Training phase of one RL step: a separate old-log-prob pass vs on-policy, full-width vs
 length-cut micro-batches, in one process on the same batch.
 
-The batch is a real step's responses from a rollout trace (``bench/traces/*.jsonl``: one
+The batch is a real step's responses from a rollout trace (``rhymerl/bench/traces/*.jsonl``: one
 step's rows, behind a fixed prompt of ``--prompt-tokens`` tokens), trained on the Megatron
 backend (TP=PP=DP=1, this process). Variants, each timed as the trainer's training phase
 (old-log-prob pass, if any, plus ``train_step``), interleaved over ``--repeats``:
@@ -50,7 +50,7 @@ def trace_batch(path: Path, rows: int, prompt_tokens: int, step: int):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.train_phase", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m rhymerl.bench.train_phase", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--step", type=int, default=0, help="which step of the trace (index into its steps)")
     ap.add_argument("--rows", type=int, default=16)

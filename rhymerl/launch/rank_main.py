@@ -1,4 +1,4 @@
-"""Entry point that every srun / torchrun task runs: `python -m launch.rank_main CONFIG [overrides]`.
+"""Entry point that every srun / torchrun task runs: `python -m rhymerl.launch.rank_main CONFIG [overrides]`.
 
 Rank and world size come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm
 (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID); MASTER_ADDR/MASTER_PORT from the sbatch script.
@@ -7,7 +7,7 @@ Rank and world size come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm
 import os
 import sys
 
-from launch.train import launcher_env, run_from_config
+from rhymerl.launch.train import launcher_env, run_from_config
 
 if __name__ == "__main__":
     rank, world, local = launcher_env()

@@ -6,7 +6,7 @@ one srun task per GPU (or ``tasks_per_node`` CPU tasks with gloo when
 from the job id and probed on that host, a per-job log folder, and the preemption
 contract of slurm/README.md (``--signal=USR1@lead``, ``--requeue``, append-mode logs, the
 trainer checkpoints and requeues itself, and the restarted job resumes from
-``checkpoint.resume: auto``). Each task runs ``python -m launch.rank_main CONFIG [overrides]``.
+``checkpoint.resume: auto``). Each task runs ``python -m rhymerl.launch.rank_main CONFIG [overrides]``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig, load_config, redact_secrets
 from rhymerl.preflight import preflight
 
-DEFAULT_ENTRY = ("-m", "launch.rank_main")
+DEFAULT_ENTRY = ("-m", "rhymerl.launch.rank_main")
 # Below Linux's default ephemeral range (32768-60999), so an outgoing connection of
 # another process cannot hold the port we are about to listen on.
 PORT_BASE, PORT_SPAN = 15000, 17000
@@ -109,7 +109,7 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
                   entry: Sequence[str] = DEFAULT_ENTRY, setup_lines: Sequence[str] = ()) -> str:
     """The sbatch script (text). Paths are made absolute so the job does not depend on where sbatch ran.
 
-    ``entry``: what each task runs after the interpreter (default ``-m launch.rank_main``).
+    ``entry``: what each task runs after the interpreter (default ``-m rhymerl.launch.rank_main``).
     ``setup_lines``: shell lines run before srun (module loads, venv activation).
     """
     per_node, world = layout(slurm, parallel)
@@ -143,7 +143,7 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
         sb.append(f"--account={slurm.account}")
     if slurm.signal_lead_s:
         # Without "B:" the signal goes to every process of the job steps, where
-        # launch.preemption.PreemptionHandler sets the flag the trainer polls; with it, to the
+        # rhymerl.launch.preemption.PreemptionHandler sets the flag the trainer polls; with it, to the
         # batch shell, whose trap below forwards it to the tasks.
         sb.append(f"--signal={'B:' if slurm.signal_batch else ''}USR1@{slurm.signal_lead_s}")
     sb.append("--requeue" if slurm.requeue else "--no-requeue")
