@@ -91,8 +91,9 @@ def test_greedy_histospec_equals_no_speculation(none_engine, hs_engine):
     assert [r.token_ids for r in second] == want
     assert m["draft_accepted"] > 0.5 * m["generated_tokens"], m
     assert m["tokens_per_forward"] > 2.0, m
-    # The goodput rule saw timed decode steps and reports its bypassed steps and sources.
-    assert m["step_cost/observed_steps"] > 0 and 0.0 <= m["steps_without_drafts_fraction"] < 1.0, m
+    # The goodput rule reports its bypassed steps and sources; with the default step_cost=prior
+    # it prices steps from the prior model and times none.
+    assert m["step_cost/observed_steps"] == 0 and 0.0 <= m["steps_without_drafts_fraction"] < 1.0, m
     assert m["history_served_fraction"] == 1.0 and m["source/history/drafts"] > 0, m
     # Accepted drafts still report the policy's log-probabilities.
     lp = second[0].responses[0].logprobs
@@ -211,12 +212,18 @@ def test_empty_unknown_and_foreign_history_give_zero_drafts(hs_engine, caplog):
     assert foreign.lengths(prompt_key(PROMPTS[1])) == [[16]]  # nothing was added to the foreign store
 
 
-def test_steps_without_drafts_skip_the_rejection_sampler(none_engine, hs_engine):
+def test_steps_without_drafts_skip_the_rejection_sampler(none_engine, model_dir):
     """Speculation on, nobody drafting: every step samples as without speculation (no zero-draft tax)."""
-    from rhymerl.config import HistoSpecConfig
-    from rhymerl.histospec import HistoryStore
+    from rhymerl.config import HistoSpecConfig, RolloutConfig
+    from rhymerl.rollout import RolloutEngine
     from rhymerl.rollout.engine import _runner_of
 
+    # History is the only draft source here (no own-output/sibling or shared-index drafts), so
+    # epoch 0 has nothing to draft from and epoch 1 drafts from epoch 0.
+    hs_cfg = HistoSpecConfig(include_siblings=False, include_global=False)
+    cfg = RolloutConfig(speculative="histospec", max_num_seqs=64, max_model_len=256, cpu_kv_cache_gb=0.25,
+                        num_speculative_tokens=8)
+    hs_engine = RolloutEngine(cfg, hs_cfg, model_dir, seed=0)
     runner = hs_engine.llm.collective_rpc(_runner_of)[0]
     calls = collections.Counter()
     for name in ("sampler", "rejection_sampler"):
@@ -229,7 +236,6 @@ def test_steps_without_drafts_skip_the_rejection_sampler(none_engine, hs_engine)
 
         module.forward = counted
     try:
-        hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
         got = hs_engine.generate(PROMPTS, 1, _greedy(12), epoch=0)
         assert hs_engine.metrics()["draft_proposed"] == 0
         assert calls["rejection_sampler"] == 0 and calls["sampler"] >= 12, calls
@@ -239,6 +245,7 @@ def test_steps_without_drafts_skip_the_rejection_sampler(none_engine, hs_engine)
     finally:
         for name in ("sampler", "rejection_sampler"):
             del getattr(runner, name).forward
+        hs_engine.shutdown()
 
 
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
