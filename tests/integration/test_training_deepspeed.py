@@ -94,7 +94,8 @@ def test_export_cli_reads_zero3_checkpoint(ds_run, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "hf"
-    done = subprocess.run([sys.executable, "-m", "rhymerl", "export", str(ds_run), "--hf", str(out)],
+    # The backend checkpoint folder itself (a run folder would pick its latest verified step).
+    done = subprocess.run([sys.executable, "-m", "rhymerl", "export", str(ds_run / "ckpt3"), "--hf", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     exported = load_file(str(out / "model.safetensors"))
