@@ -10,6 +10,10 @@ Every rank holds a training shard and a rollout engine on the same device. Per R
             -> reshard (engine.load_weights)  the fresh weights stream in
             -> engine.wake_up(["kv_cache"])   -> next rollout
 
+On CPU hosts the two also share the cores: vLLM's CPU worker lowers torch's intra-op threads
+for serving when the engine starts, which would leave training on one thread of a many-core
+host; the threads are handed back to training before it runs and to the engine before it serves.
+
 ``rollout.sleep_level=0`` keeps the engine resident (no sleep, no wake). Where the engine or
 the backend cannot release memory (vLLM's sleep mode is GPU-only; DeepSpeed's backend has no
 offload here), the calls still happen and are counted and timed: the step's metrics say what ran.
@@ -27,9 +31,17 @@ log = logging.getLogger("rhymerl.colocation")
 class Colocation:
     """Drives the engine's sleep/wake and the backend's offload/onload; metrics per step."""
 
-    def __init__(self, engine: Any, backend: Any, sleep_level: int, device_free_bytes: Optional[Callable[[], int]] = None):
+    def __init__(self, engine: Any, backend: Any, sleep_level: int, device_free_bytes: Optional[Callable[[], int]] = None,
+                 cpu_threads: Optional[tuple[int, int]] = None, set_threads: Optional[Callable[[int], None]] = None):
+        """``cpu_threads``: (training, rollout) intra-op thread counts, on CPU hosts."""
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"rollout.sleep_level: {sleep_level} not allowed; allowed: 0, 1, 2")
+        if cpu_threads is not None and set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        self.cpu_threads = cpu_threads
+        self._set_threads = set_threads
         self.engine = engine
         self.backend = backend
         self.sleep_level = sleep_level
@@ -55,6 +67,8 @@ class Colocation:
 
     def before_training(self) -> None:
         """The rollout is over: release the engine's memory, bring the training state back."""
+        if self.cpu_threads is not None:
+            self._set_threads(self.cpu_threads[0])
         if self.sleep_level and not self._asleep:
             self._timed("engine_sleep", lambda: self.engine.sleep(self.sleep_level))
             self._asleep = True
@@ -72,6 +86,8 @@ class Colocation:
 
     def before_rollout(self) -> None:
         """The fresh weights are in: give the engine its KV cache back."""
+        if self.cpu_threads is not None:
+            self._set_threads(self.cpu_threads[1])
         if self._asleep:
             self._timed("engine_wake_kv", lambda: self.engine.wake_up(["kv_cache"]))
             self._asleep = False

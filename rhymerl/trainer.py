@@ -136,6 +136,7 @@ class Trainer:
                                       enabled=comm.rank == 0 and cfg.tracking.console != "none"
                                       and cfg.tracking.progress_interval_s > 0)
         self.backend.progress = self.progress
+        train_threads = torch.get_num_threads()
         self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + self.instance,
                                     progress=self.progress if comm.rank == 0 else None,
                                     history=self.history, dtype=cfg.model.dtype,
@@ -144,8 +145,12 @@ class Trainer:
         from rhymerl.colocation import Colocation
         from rhymerl.devices import free_memory_probe
 
+        # vLLM's CPU worker lowers torch's threads for serving; training gets its own back.
+        rollout_threads = torch.get_num_threads()
         self.colocation = Colocation(self.engine, self.backend, cfg.rollout.sleep_level,
-                                     device_free_bytes=free_memory_probe(groups.device))
+                                     device_free_bytes=free_memory_probe(groups.device),
+                                     cpu_threads=(train_threads, rollout_threads) if groups.device.type == "cpu"
+                                     and train_threads != rollout_threads else None)
         self.rewards = self._start_rewards(RewardPool)
         from rhymerl.algorithms import DynamicSamplingBuffer
 

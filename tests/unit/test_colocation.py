@@ -66,3 +66,10 @@ def test_device_memory_released_is_reported_per_call():
 def test_bad_level_is_refused():
     with pytest.raises(ValueError, match="rollout.sleep_level"):
         Colocation(Recorder(), Recorder(), sleep_level=3)
+
+
+def test_cpu_threads_go_to_training_then_back_to_the_engine():
+    r = Recorder()
+    c = Colocation(r, r, sleep_level=1, cpu_threads=(8, 1), set_threads=lambda n: r.calls.append(f"threads{n}"))
+    _steps(c, 1)
+    assert r.calls == ["threads8", "sleep1", "offload", "wake:weights", "threads1", "wake:kv_cache"]
