@@ -58,6 +58,7 @@ def step_row(epoch: int, m: dict) -> dict:
     return {"epoch": epoch, "step_s": m["time/step_s"], "reward_mean": m["reward/mean"],
             "response_len_mean": m.get("response/len_mean", 0.0),
             "tokens_per_forward": m.get("histospec/tokens_per_forward", 1.0),
+            "generated_tokens": m.get("rollout/generated_tokens", 0),
             "phases_s": {p: m.get(f"time/{p}_s", 0.0) for p in PHASES}}
 
 
@@ -68,6 +69,10 @@ def summarize(rows: list[dict]) -> dict:
     return {"step_s": mean(lambda r: r["step_s"]), "phases": {p: mean(lambda r: r["phases_s"][p]) for p in PHASES},
             "tokens_per_forward": mean(lambda r: r["tokens_per_forward"]),
             "reward_mean": mean(lambda r: r["reward_mean"]), "response_len_mean": mean(lambda r: r["response_len_mean"]),
+            # Sampled variants follow different trajectories (other responses, other lengths): the
+            # rollout's seconds per generated token compares them at equal work.
+            "rollout_s_per_token": sum(r["phases_s"]["rollout"] for r in late)
+            / max(1, sum(r.get("generated_tokens", 0) for r in late)),
             "steps_measured": len(late), "per_step": rows}
 
 
@@ -123,13 +128,15 @@ def _run(args, methods: list[str]) -> dict:
         v["step_speedup"] = off["step_s"] / v["step_s"] if v["step_s"] > 0 else 0.0
         v["rollout_speedup"] = off["phases"]["rollout"] / v["phases"]["rollout"] if v["phases"]["rollout"] > 0 else 0.0
         v["rollout_share"] = v["phases"]["rollout"] / v["step_s"] if v["step_s"] > 0 else 0.0
+        v["rollout_speedup_per_token"] = (off["rollout_s_per_token"] / v["rollout_s_per_token"]
+                                          if v["rollout_s_per_token"] > 0 else 0.0)
     labels = list(variants)
     print(f"\n{'phase (s)':<12}" + "".join(f"{lb:>11}" for lb in labels), file=sys.stderr)
     for p in ("step",) + PHASES:
         vals = [v["step_s"] if p == "step" else v["phases"][p] for v in variants.values()]
         print(f"{p:<12}" + "".join(f"{x:>11.2f}" for x in vals), file=sys.stderr)
-    for key in ("step_speedup", "rollout_speedup", "rollout_share", "tokens_per_forward", "reward_mean",
-                "response_len_mean"):
+    for key in ("step_speedup", "rollout_speedup", "rollout_speedup_per_token", "rollout_share", "tokens_per_forward",
+                "reward_mean", "response_len_mean"):
         print(f"{key:<12}" + "".join(f"{v[key]:>11.2f}" for v in variants.values()), file=sys.stderr)
     print(f"(epoch >= 2 means; ratios vs off in this run; {time.time() - t0:.0f} s total)", file=sys.stderr)
     on = variants.get("histospec")

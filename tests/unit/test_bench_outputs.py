@@ -31,11 +31,13 @@ def test_e2e_step_rows_keep_the_reward_apart_from_the_reward_phase_time():
     from rhymerl.bench.e2e import step_row, summarize
 
     rows = [step_row(e, {"time/step_s": 2.0 + e, "reward/mean": 0.25 + e, "time/reward_s": 0.5, "time/rollout_s": 1.5,
-                         "histospec/tokens_per_forward": 1.0 + e, "response/len_mean": 100.0}) for e in (0, 1, 2)]
+                         "histospec/tokens_per_forward": 1.0 + e, "response/len_mean": 100.0,
+                         "rollout/generated_tokens": 100 * (e + 1)}) for e in (0, 1, 2)]
     res = summarize(rows)
     assert [r["reward_mean"] for r in res["per_step"]] == [0.25, 1.25, 2.25]
     assert res["reward_mean"] == 1.75 and res["phases"]["reward"] == 0.5 and res["phases"]["rollout"] == 1.5
     assert res["steps_measured"] == 2 and res["step_s"] == 3.5 and res["tokens_per_forward"] == 2.5
+    assert res["rollout_s_per_token"] == 3.0 / 500  # epochs >= 2: 1.5 s each over 200 + 300 tokens
     json.dumps(res)
 
 
