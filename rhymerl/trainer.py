@@ -100,7 +100,11 @@ class Trainer:
         self.sampler = EpochSampler(len(self.records), cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
 
         self.history_budget = _history_budget(cfg, len(self.records))
-        self.history = HistoryStore(cfg.histospec, vocab_size=len(self.tokenizer), token_budget=self.history_budget)
+        from rhymerl.rollout.engine import _model_vocab
+
+        # The engine samples from the model's vocabulary, which may be padded past the tokenizer's.
+        vocab = max(len(self.tokenizer), _model_vocab(self.model_path)[0])
+        self.history = HistoryStore(cfg.histospec, vocab_size=vocab, token_budget=self.history_budget)
         self.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
         # One rollout instance per rollout.tensor_parallel consecutive ranks (one vLLM engine
         # across them); every rank of an instance runs the same requests.
