@@ -205,6 +205,11 @@ def run_from_config(argv: list[str]) -> int:
     t0 = time.time()
     try:
         rc = run(cfg, rank, world_size, preempt)
+        # The run is over (done, or checkpointed for a requeue). Teardown (engine, W&B, the
+        # interpreter's own finalisation, which puts default handlers back) takes seconds; a
+        # preemption warning arriving then (Slurm sends a requeued job's warning again) would
+        # kill a finished process with SIGUSR1 and mark the job FAILED.
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     except Exception as e:
         from rhymerl import user_errors
 

@@ -38,8 +38,10 @@ class Case:
 
 
 CASES = {
-    "usr1-tasks": Case(tasks=2, steps=4, trigger=("scancel", "--signal=USR1")),
-    "usr1-batch": Case(tasks=1, steps=3, trigger=("scancel", "--batch", "--signal=USR1")),
+    "usr1-tasks": Case(tasks=2, steps=6, trigger=("scancel", "--signal=USR1")),
+    # Steps take about a second here and the batch shell's forwarding a second or two: enough
+    # steps remain after the trigger for the notice to land before the last one.
+    "usr1-batch": Case(tasks=1, steps=8, trigger=("scancel", "--batch", "--signal=USR1")),
     # A real time limit: Slurm's warning arrives when <= lead seconds are left (checked about
     # every 30 s), while the first segment starts or runs its first steps; every segment runs
     # at least one step, so the job needs at most `steps` segments.

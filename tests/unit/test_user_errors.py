@@ -49,3 +49,22 @@ def test_a_run_that_meets_bad_data_exits_with_one_line(tmp_path, monkeypatch, ca
     monkeypatch.setattr(lt, "run", lambda *a: {}["a bug"])
     with pytest.raises(KeyError):
         lt.run_from_config([str(REPO / "configs/tiny-cpu.yaml"), f"run.output_dir={tmp_path}"])
+
+
+def test_a_finished_run_ignores_a_late_preemption_notice(tmp_path, monkeypatch):
+    """Slurm may send a requeued job's warning again while the finished process tears down
+    (engine, W&B, interpreter finalisation): it must not kill the process with SIGUSR1."""
+    import os
+    import signal
+
+    import rhymerl.launch.train as lt
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGTERM)}
+    monkeypatch.setattr(lt, "run", lambda cfg, rank, world_size, preempt=None: 0)
+    try:
+        assert lt.run_from_config([str(REPO / "configs/tiny-cpu.yaml"), f"run.output_dir={tmp_path}"]) == 0
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR1)  # ignored: this test process lives on
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
