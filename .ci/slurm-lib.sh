@@ -1,5 +1,6 @@
-# Functions for the test-cluster scripts (.ci/slurm2-up.sh, .ci/slurm2-down.sh): install,
-# munged, the slurm.conf settings every test cluster needs, stop by recorded PID.
+# Functions for the test-cluster scripts (.ci/slurm-up.sh, slurm-down.sh, slurm2-up.sh,
+# slurm2-down.sh): install, munged, the slurm.conf settings every test cluster needs, stop by
+# recorded PID.
 # Source it; the functions use only their arguments.
 
 slurm_alive() {  # slurm_alive PIDFILE: the process it names is running

@@ -12,35 +12,17 @@ S="${RHYMERL_SLURM_DIR:-/tmp/rhymerl-slurm}"
 CONF="$S/slurm.conf"
 t0=$(date +%s.%N)
 log() { echo "[slurm-up] $*" >&2; }
+source "$(dirname "${BASH_SOURCE[0]}")/slurm-lib.sh"
 
-alive() { [[ -f "$1" ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
-
-if alive "$S/munged.pid" && alive "$S/slurmctld.pid" && alive "$S/slurmd.pid" \
+if slurm_alive "$S/munged.pid" && slurm_alive "$S/slurmctld.pid" && slurm_alive "$S/slurmd.pid" \
    && SLURM_CONF="$CONF" sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
   log "already running ($S)"
   echo "export SLURM_CONF=$CONF"
   exit 0
 fi
 
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
-   || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
-  log "installing slurmctld slurmd slurm-client munge (apt-get)"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
-fi
-
-mkdir -p "$S"/{state,spool,log,munge,munge-run}
-# munged runs as the munge user and checks permissions: the key folder private, the socket
-# folder searchable by everyone (clients), neither writable by others.
-chown munge:munge "$S/munge" "$S/munge-run"
-chmod 0700 "$S/munge"
-chmod 0755 "$S/munge-run"
-if [[ ! -s "$S/munge/munge.key" ]]; then
-  dd if=/dev/urandom of="$S/munge/munge.key" bs=1024 count=1 status=none
-fi
-chown munge:munge "$S/munge/munge.key"
-chmod 0400 "$S/munge/munge.key"
+slurm_install
+mkdir -p "$S"/{state,spool,log}
 
 NODE_LINE=$(slurmd -C | head -n1)
 NODE_NAME=$(sed -E 's/^NodeName=([^ ]+).*/\1/' <<<"$NODE_LINE")
@@ -91,17 +73,12 @@ $NODE_LINE State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
 
-if ! alive "$S/munged.pid"; then
-  runuser -u munge -- munged --key-file="$S/munge/munge.key" --socket="$S/munge-run/munge.socket" \
-    --pid-file="$S/munge-run/munged.pid" --log-file="$S/munge/munged.log" --seed-file="$S/munge/munged.seed"
-  for _ in $(seq 50); do [[ -s "$S/munge-run/munged.pid" ]] && break; sleep 0.1; done
-  cp "$S/munge-run/munged.pid" "$S/munged.pid"
-fi
+slurm_start_munged "$S"
 # -c: start from a clean state so jobs of an earlier session are not resumed.
-if ! alive "$S/slurmctld.pid"; then
+if ! slurm_alive "$S/slurmctld.pid"; then
   rm -f "$S/slurmctld.pid"; slurmctld -c -f "$CONF"
 fi
-if ! alive "$S/slurmd.pid"; then
+if ! slurm_alive "$S/slurmd.pid"; then
   rm -f "$S/slurmd.pid"; slurmd -f "$CONF"
 fi
 
