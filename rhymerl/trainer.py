@@ -84,7 +84,8 @@ class Trainer:
         comm.barrier()
         if self.model_path is None:
             self.model_path = resolve_model(cfg.model)
-        self.dp_size = validate(cfg, model_shape(self.model_path), world_size=comm.world_size)
+        shape = model_shape(self.model_path)
+        self.dp_size = validate(cfg, shape, world_size=comm.world_size)
         check_model_use(self.model_path, cfg.parallel.backend, cfg.data.chat_template)
         from rhymerl.memory_plan import check_run
 
@@ -100,10 +101,8 @@ class Trainer:
         self.sampler = EpochSampler(len(self.records), cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
 
         self.history_budget = _history_budget(cfg, len(self.records))
-        from rhymerl.rollout.engine import _model_vocab
-
         # The engine samples from the model's vocabulary, which may be padded past the tokenizer's.
-        vocab = max(len(self.tokenizer), _model_vocab(self.model_path)[0])
+        vocab = max(len(self.tokenizer), shape.vocab_size)
         self.history = HistoryStore(cfg.histospec, vocab_size=vocab, token_budget=self.history_budget)
         self.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
         # One rollout instance per rollout.tensor_parallel consecutive ranks (one vLLM engine
