@@ -156,14 +156,17 @@ class HistoSpecConfig:
     # The shared index holds every kept visit (up to epochs_kept per prompt), not only the newest.
     global_all_visits: bool = True
     # goodput rule: "measured" refits the engine step-time model from measured steps as the
-    # engine runs; draft lengths then depend on timings, so a sampled run is reproduced in
-    # distribution, not token for token (greedy runs are exact either way). "prior" keeps
-    # the coefficients below: token-exact replays and resumes of sampled runs.
-    step_cost: Literal["measured", "prior"] = "prior"
-    # goodput rule: prior of the engine step-time model; only the ratios matter.
+    # engine runs, so drafts are priced at what they cost on the hardware at hand (on a
+    # 2-core CPU a draft token costs ~2/3 of a row, on a GPU little). Draft lengths then
+    # depend on timings: a resumed sampled run is reproduced in distribution, not token
+    # for token (greedy runs are exact either way). "prior" keeps the coefficients below,
+    # for token-exact replays and resumes of sampled runs.
+    step_cost: Literal["measured", "prior"] = "measured"
+    # goodput rule: prior of the engine step-time model (the measured fit starts from it).
     step_cost_fixed_ms: float = 55.0
     step_cost_per_request_ms: float = 4.6
     step_cost_per_token_ms: float = 1.6
+    step_cost_per_drafting_request_ms: float = 0.0
     step_cost_prior_steps: float = 1.0
     # goodput rule: prior acceptance multiplier a (P(accept) = min(1, a * history prob)) and its weight.
     acceptance_prior: float = 0.5
@@ -172,6 +175,11 @@ class HistoSpecConfig:
     length_margin: float = 1.5
     # goodput rule: a draft token is proposed only if its survival probability exceeds this.
     min_gain: float = 0.0
+    # goodput rule: a step drafts only if its predicted goodput beats drafting nothing by
+    # this relative margin, or by the measured step-time fit's relative error if larger
+    # (a 2-core CPU's step times scatter by ~15%; a plan within that is a coin toss that
+    # still pays the drafting cost, and lengthens the batch's slowest request no less).
+    min_goodput_gain: float = 0.05
 
 
 @dataclass
@@ -691,10 +699,11 @@ def check_static(cfg: RunConfig) -> None:
     _require(h.global_token_budget >= 0, "histospec.global_token_budget", "must be >= 0")
     _require(h.token_budget >= 0, "histospec.token_budget", "must be >= 0 (0 = sized from the dataset and memory)")
     _require(0 < h.memory_fraction <= 1, "histospec.memory_fraction", "must be in (0, 1]")
-    for name in ("step_cost_fixed_ms", "step_cost_per_request_ms"):
+    for name in ("step_cost_fixed_ms", "step_cost_per_request_ms", "step_cost_per_drafting_request_ms"):
         _require(getattr(h, name) >= 0, f"histospec.{name}", "must be >= 0")
     _require(h.step_cost_per_token_ms > 0, "histospec.step_cost_per_token_ms", "must be > 0")
     _require(h.step_cost_prior_steps > 0, "histospec.step_cost_prior_steps", "must be > 0")
+    _require(h.min_goodput_gain >= 0, "histospec.min_goodput_gain", "must be >= 0")
     _require(0 < h.acceptance_prior <= 1, "histospec.acceptance_prior", "must be in (0, 1]")
     _require(h.acceptance_prior_weight > 0, "histospec.acceptance_prior_weight", "must be > 0")
     _require(h.length_margin >= 0, "histospec.length_margin", "must be >= 0 (0 = no cap)")

@@ -538,7 +538,8 @@ def _sum_engine_metrics(ms: list[dict]) -> dict:
     out["history_served_fraction"] = tot["requests_with_history"] / tot["requests"] if tot["requests"] else 0.0
     out["steps_without_drafts_fraction"] = tot["steps_without_drafts"] / tot["steps"] if tot["steps"] else 0.0
     # The fitted engine step-cost model (goodput draft lengths), averaged over instances.
-    for k in ("step_cost/fixed_ms", "step_cost/per_request_ms", "step_cost/per_token_ms"):
+    for k in ("step_cost/fixed_ms", "step_cost/per_request_ms", "step_cost/per_token_ms",
+              "step_cost/per_drafting_request_ms"):
         vals = [m[k] for m in ms if k in m]
         if vals:
             out[k] = float(sum(vals) / len(vals))

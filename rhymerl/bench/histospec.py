@@ -222,8 +222,8 @@ class HistoSpecMethod(Method):
     def propose_step(self, items):
         return [(d.tokens, d.parents if self.cfg.tree else None) for d in self.prop.propose_step(items)]
 
-    def observe_step(self, num_requests, num_scored_tokens, seconds):
-        self.prop.observe_step(num_requests, num_scored_tokens, seconds)
+    def observe_step(self, num_requests, num_scored_tokens, seconds, num_drafting_requests=None):
+        self.prop.observe_step(num_requests, num_scored_tokens, seconds, num_drafting_requests)
 
     def feedback(self, rid, proposed, accepted):
         self.prop.feedback(rid, proposed, accepted)
@@ -299,7 +299,7 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
             secs = step_time(len(active), scored)
             modelled_s += secs
             if stepwise:
-                method.observe_step(len(active), scored, secs)
+                method.observe_step(len(active), scored, secs, sum(1 for d, _ in drafts if d))
             acc = []
             for (rid, rec), (draft, parents) in zip(active, drafts):
                 rest = rec.token_ids[pos[rid]:]

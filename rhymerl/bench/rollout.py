@@ -310,7 +310,13 @@ def run_sweep(args) -> dict:
                               "tokens_per_forward": r["histospec"]["tokens_per_forward"],
                               "acceptance_rate": r["histospec"]["acceptance_rate"],
                               "none_wall_s": r["none"]["wall_s"], "histospec_wall_s": r["histospec"]["wall_s"],
-                              "generated_tokens": r["histospec"]["generated_tokens"]})
+                              "generated_tokens": r["histospec"]["generated_tokens"],
+                              "none_ms_per_step": 1e3 * r["none"]["s_per_engine_step"],
+                              "histospec_ms_per_step": 1e3 * r["histospec"]["s_per_engine_step"],
+                              "draft_tokens_per_step": r["histospec"].get("draft_proposed", 0)
+                              / max(1, r["histospec"].get("engine_steps", 0)),
+                              "draft_time_s": r["histospec"].get("draft_time_s", 0.0),
+                              **{k: v for k, v in r["histospec"].items() if k.startswith("step_cost/")}})
                 print(f"[sweep] T={t} c={c}: histospec/none {ratio:.3f}x tok/fwd "
                       f"{r['histospec']['tokens_per_forward']:.2f}", file=sys.stderr)
     finally:
@@ -372,6 +378,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("-k", type=int, default=8, help="--model workload: num_speculative_tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--sweep-temperatures", default=",".join(str(t) for t in SWEEP_TEMPERATURES),
+                   help="--sweep: comma-separated temperatures")
+    p.add_argument("--sweep-concurrency", default=",".join(str(c) for c in SWEEP_CONCURRENCY),
+                   help="--sweep: comma-separated numbers of concurrent requests")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
     args = p.parse_args(argv)
     if args.model:
@@ -386,8 +396,13 @@ def main(argv: list[str]) -> int:
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"--methods: unknown {bad}; allowed: {', '.join(METHODS)}")
-    args.sweep_temperatures = SWEEP_TEMPERATURES
-    args.sweep_concurrency = SWEEP_CONCURRENCY
+    try:
+        args.sweep_temperatures = tuple(float(t) for t in args.sweep_temperatures.split(",") if t.strip())
+        args.sweep_concurrency = tuple(int(c) for c in args.sweep_concurrency.split(",") if c.strip())
+    except ValueError as e:
+        p.error(f"--sweep-temperatures / --sweep-concurrency: {e}")
+    if not args.sweep_temperatures or not args.sweep_concurrency or min(args.sweep_concurrency) < 1:
+        p.error("--sweep-temperatures and --sweep-concurrency need at least one value each (concurrency >= 1)")
     # One intra-op thread, as vLLM serves on a 2-core host: a second thread spin-waits at every
     # parallel region and turns any other process on the machine into a stall of every kernel.
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -20,6 +20,7 @@ requests, (step time - none's step time) / drafts per step, patched and unpatche
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -161,6 +162,9 @@ def run(args) -> dict:
             for _ in range(args.repeats):
                 for label, (method, drafts, patched) in VARIANTS.items():
                     if method == "histospec":
+                        # No drafts at all: besides the prompt's history, the in-flight sources
+                        # (the request's own output, the shared index) would draft too.
+                        spec.histospec_cfg = hs if drafts else dataclasses.replace(hs, enabled=False)
                         spec.set_history(filled if drafts else empty)
                     if not patched:
                         vllm_patches.unpatch_zero_draft_plain_sampler()

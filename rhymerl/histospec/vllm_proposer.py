@@ -80,7 +80,7 @@ class HistoSpecProposer:
         items: list[tuple[str, list[int], int]] = []
         # The step that just ran: its rows and the tokens it scored (1 + last draft per row).
         # A step that admitted a new request also prefilled it: not a decode step, not timed.
-        step_rows = step_scored = 0
+        step_rows = step_scored = step_drafting = 0
         decode_only = True
         for i in range(n):
             sampled = sampled_token_ids[i]
@@ -101,6 +101,7 @@ class HistoSpecProposer:
             step_rows += 1
             step_scored += 1 + live[1]
             if live[1] > 0:
+                step_drafting += 1
                 acc = len(sampled) - 1
                 self.counts["accepted"] += acc
                 core.feedback(rid, live[1], acc)
@@ -116,7 +117,7 @@ class HistoSpecProposer:
             rows.append(i)
             items.append((rid, generated, max_len))
         if decode_only and step_rows and self._last_end is not None:
-            core.observe_step(step_rows, step_scored, t0 - self._last_end)
+            core.observe_step(step_rows, step_scored, t0 - self._last_end, step_drafting)
         drafts = core.propose_step(items) if items else []
         for i, (rid, _, max_len), d in zip(rows, items, drafts):
             toks = d.tokens

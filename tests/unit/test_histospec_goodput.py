@@ -18,14 +18,15 @@ def test_cost_model_recovers_step_costs_from_observed_steps():
         r = rng.randint(1, 32)
         t = r + rng.randint(0, 4 * r)
         m.observe_step(r, t, 0.01 + 0.001 * r + 0.0003 * t)
-    f, pr, pt = m.coef
+    f, pr, pt, pd = m.coef
     assert f == pytest.approx(0.01, rel=0.05) and pr == pytest.approx(0.001, rel=0.05) and pt == pytest.approx(0.0003, rel=0.05)
+    assert pd == pytest.approx(0.0, abs=1e-4)
     # Before any measurement (and for nonsense input) the prior stands.
     p = StepCostModel(0.05, 0.004, 0.002)
     p.observe_step(0, 0, 1.0)
     p.observe_step(3, 2, 1.0)
     p.observe_step(3, 3, float("nan"))
-    assert p.coef == (0.05, 0.004, 0.002)
+    assert p.coef == (0.05, 0.004, 0.002, 0.0)
     with pytest.raises(ValueError):
         StepCostModel(0.05, 0.004, 0.0)
 
@@ -152,7 +153,7 @@ def test_prior_step_cost_ignores_timings_and_rollouts_start_afresh():
     for _ in range(50):
         p.observe_step(8, 40, 5.0)
     assert p.cost.coef == (cfg.step_cost_fixed_ms * 1e-3, cfg.step_cost_per_request_ms * 1e-3,
-                           cfg.step_cost_per_token_ms * 1e-3)
+                           cfg.step_cost_per_token_ms * 1e-3, cfg.step_cost_per_drafting_request_ms * 1e-3)
     p.acceptance.observe("a", "history", [1.0] * 4, 4)
     p.start_rollout()
     assert p.acceptance.source_rate("history") == cfg.acceptance_prior
@@ -181,5 +182,147 @@ def test_cost_model_survives_rare_drafts_and_stretched_steps():
             d = 0 if rng.random() < 0.9 else rng.randint(1, r)
             stretch = 1.0 if rng.random() < 0.7 else rng.uniform(1, 10)
             m.observe_step(r, r + d, (0.055 + 0.0046 * r + 0.0016 * (r + d)) * stretch)
-        _, per_req, per_tok = m.coef
+        _, per_req, per_tok, _ = m.coef
         assert 0.1 < per_tok / (per_req + per_tok) < 0.5, (seed, m.coef)
+
+
+def _closed_loop(true_cost, survival_of_step, steps, seed=0):
+    """Plans drafts with a fresh measured model, 'runs' each step at the true cost (+-5%
+    noise) and feeds the measurement back. Returns the model, the true goodput (tokens/s)
+    of the last half and the goodput no drafting would have had on the same steps."""
+    rng = random.Random(seed)
+    m = StepCostModel(0.055, 0.0046, 0.0016)
+    fixed, per_row, per_draft = true_cost
+    tokens = seconds = base_s = base_tokens = 0.0
+    for i in range(steps):
+        surv = survival_of_step(rng)
+        plan = plan_step(surv, m)
+        r, d = len(surv), plan.draft_tokens
+        noise = rng.uniform(0.95, 1.05)
+        t = (fixed + per_row * r + per_draft * d) * noise
+        m.observe_step(r, r + d, t)
+        if i >= steps // 2:
+            tokens += plan.expected_tokens
+            seconds += t
+            base_tokens += r
+            base_s += (fixed + per_row * r) * noise
+    return m, tokens / seconds, base_tokens / base_s
+
+
+def _step_of(p_lo, p_hi):
+    # 24-32 running requests (some finish), each with an 8-token chain of its own survival.
+    return lambda rng: [[rng.uniform(p_lo, p_hi)] * 8 for _ in range(rng.randint(24, 32))]
+
+
+def test_measured_cost_learns_that_drafts_do_not_pay_on_a_compute_bound_step():
+    # A CPU at ~32 requests: a draft token costs ~2/3 of a row (bench step). The prior
+    # (draft token 1.6 ms) drafts 20-60%-survival tokens there and loses; the fitted model
+    # learns the cost and reaches at least no-draft goodput.
+    true = (0.050, 0.0075, 0.0047)
+    for seed in range(3):
+        m, goodput, no_draft = _closed_loop(true, _step_of(0.2, 0.6), 400, seed=seed)
+        assert m.coef[2] == pytest.approx(0.0047, rel=0.25), m.coef
+        assert goodput >= 0.99 * no_draft, (goodput, no_draft)
+    surv = [[0.4] * 8 for _ in range(32)]
+    lengths = plan_step(surv, StepCostModel(0.055, 0.0046, 0.0016)).draft_tokens
+    assert lengths > 0 and 32 * 1.4 / (0.050 + 0.0075 * 32 + 0.0047 * lengths) < 32 / (0.050 + 0.0075 * 32)
+
+
+def test_measured_cost_learns_that_cheap_drafts_pay():
+    # A memory-bound GPU step: draft tokens nearly free. Starting from the same prior, the
+    # fit lowers their cost and drafts deeper than the prior would.
+    true = (0.020, 0.0002, 0.00005)
+    for seed in range(3):
+        m, goodput, no_draft = _closed_loop(true, _step_of(0.2, 0.6), 400, seed=seed)
+        assert m.coef[2] < 0.0005, m.coef
+        assert goodput > 1.3 * no_draft, (goodput, no_draft)
+    surv = [[0.4] * 8 for _ in range(32)]
+    m, _, _ = _closed_loop(true, _step_of(0.2, 0.6), 400)
+    assert plan_step(surv, m).draft_tokens > plan_step(surv, StepCostModel(0.055, 0.0046, 0.0016)).draft_tokens
+
+
+def test_first_steps_of_each_shape_are_not_fitted_and_plans_are_optimistic_while_unsure():
+    m = StepCostModel(0.055, 0.0046, 0.0016, warmup=2)
+    # The first drafted steps run a path for the first time (allocation): ten times slower.
+    m.observe_step(1, 5, 2.0)
+    m.observe_step(1, 5, 2.0)
+    for _ in range(20):
+        m.observe_step(8, 8, 0.055 + 0.0062 * 8)
+    assert m.coef[2] == pytest.approx(0.0016, rel=0.05)  # untouched by the slow warm-up steps
+    # No drafted step fitted yet: the draft-token cost is uncertain, plans assume it lower.
+    assert m.planning_coef[2] < 0.8 * m.coef[2]
+    assert m.planning_coef[2] >= 0.5 * m.coef[2]
+    # Many drafted steps of a consistent cost: the plan's cost converges to the fitted one.
+    rng = random.Random(1)
+    for _ in range(300):
+        r, d = rng.randint(1, 32), rng.randint(0, 64)
+        m.observe_step(r, r + d, 0.055 + 0.0062 * r + 0.003 * d)
+    assert m.coef[2] == pytest.approx(0.003, rel=0.05)
+    assert m.planning_coef[2] == pytest.approx(m.coef[2], rel=0.05)
+    with pytest.raises(ValueError):
+        StepCostModel(0.05, 0.004, 0.002, z=-1.0)
+
+
+def test_drafting_row_cost_is_fitted_and_planned():
+    # Each drafting row costs 3 ms besides its tokens (multi-token attention query,
+    # rejection sampling): the fit finds it, and the plan then prefers few rows with long
+    # drafts over many rows with one token each.
+    rng = random.Random(3)
+    m = StepCostModel(0.05, 0.005, 0.002)
+    for _ in range(2000):
+        r = rng.randint(1, 32)
+        n = rng.randint(0, r)
+        d = n * rng.randint(1, 6) if n else 0
+        m.observe_step(r, r + d, (0.04 + 0.006 * r + 0.002 * d + 0.003 * n) * rng.uniform(0.97, 1.03), n)
+    f, pr, pt, pd = m.coef
+    assert pd == pytest.approx(0.003, rel=0.15) and pt == pytest.approx(0.002, rel=0.15), m.coef
+    assert m.predict(10, 30, 4) == pytest.approx(0.04 + 0.006 * 10 + 0.002 * 20 + 0.003 * 4, rel=0.05)
+    # 16 rows whose first token is 90% sure and the rest worthless, 1 row with a sure chain.
+    surv = [[0.9, 0.0] for _ in range(16)] + [[1.0] * 8]
+    cheap_rows = plan_step(surv, StepCostModel(0.04, 0.004, 0.002, 0.0))
+    costly_rows = plan_step(surv, StepCostModel(0.04, 0.004, 0.002, 0.05))
+    assert cheap_rows.lengths == [1] * 16 + [8]
+    assert costly_rows.lengths == [0] * 16 + [8]
+    # The plan is the best ratio: no single change of one row's length improves it.
+    cost = StepCostModel(0.04, 0.004, 0.002, 0.004)
+    surv = [[rng.uniform(0.3, 1.0) for _ in range(6)] for _ in range(12)]
+    best = plan_step(surv, cost)
+    f, pr, pt, pd = cost.planning_coef
+
+    def ratio(lengths):
+        e, t = float(len(surv)), f + (pr + pt) * len(surv)
+        for s_, k in zip(surv, lengths):
+            p = 1.0
+            for q in s_[:k]:
+                p *= q
+                e += p
+            t += (pd + pt * k) if k else 0.0
+        return e / t
+
+    assert ratio(best.lengths) == pytest.approx(best.expected_tokens / best.predicted_s)
+    for r in range(len(surv)):
+        for k in range(7):
+            alt = list(best.lengths)
+            alt[r] = k
+            assert ratio(alt) <= ratio(best.lengths) + 1e-12
+
+
+def test_hurdle_drops_marginal_plans_and_keeps_clear_wins():
+    cost = StepCostModel(0.05, 0.004, 0.004)
+    marginal = [[0.55] * 4 for _ in range(32)]  # predicted a few % better than no drafts
+    clear = [[0.99] * 4]  # one tail request with a sure chain: 4x the tokens for little
+    m = plan_step(marginal, cost)
+    e0, t0 = 32.0, 0.05 + 0.008 * 32
+    gain = (m.expected_tokens / m.predicted_s) / (e0 / t0) - 1.0
+    assert m.draft_tokens > 0 and 0.0 < gain < 0.10, gain
+    assert plan_step(marginal, cost, hurdle=0.10).draft_tokens == 0
+    assert plan_step(marginal, cost, hurdle=gain / 2).lengths == m.lengths  # below the hurdle's reach: unchanged
+    assert plan_step(clear, cost, hurdle=0.10).lengths == [4]
+    # The fit's relative error is the scatter of its residuals.
+    rng = random.Random(0)
+    fit = StepCostModel(0.05, 0.004, 0.004)
+    assert fit.relative_error == 0.0
+    for _ in range(500):
+        r = rng.randint(1, 32)
+        fit.observe_step(r, r, (0.05 + 0.008 * r) * rng.uniform(0.8, 1.2))
+    assert 0.08 < fit.relative_error < 0.15  # uniform +-20%: sd 11.5%
