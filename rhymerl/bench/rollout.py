@@ -14,7 +14,10 @@ Two workloads:
 
 ``--sweep`` times none and HistoSpec over temperature {0, 0.7, 1.0} x concurrent requests
 {1, 8, 32, 64} with the same history and prints HistoSpec's wall-time ratio to none in every
-cell; ``--quick`` caps the tokens (and skips training) so a sweep runs in a few minutes.
+cell (``--sweep-temperatures`` / ``--sweep-concurrency`` pick a subset); each cell runs
+``--repeats`` times per method, interleaved, and keeps the median (``ratio_per_token``
+divides out the lengths that sampled variants happen to write); ``--quick`` caps the
+tokens (and skips training) so a sweep runs in about ten minutes.
 Ratios are against ``none`` measured in this run; ``tokens_per_forward`` (tokens emitted per
 target forward pass of a sequence) does not depend on the hardware.
 
@@ -280,12 +283,12 @@ def _cell_requests(w: Workload, c: int) -> list[tuple[int, list[int]]]:
     return [(j // n, w.prompts[(j // n) % len(w.prompts)]) for j in range(c)]
 
 
-def _cell(eng, w: Workload, temperature: float, c: int) -> dict:
+def _cell(eng, w: Workload, temperature: float, c: int, rep: int = 0) -> dict:
     from rhymerl.rollout import SamplingSpec
 
     reqs = _cell_requests(w, c)
     sp = SamplingSpec(temperature=temperature, top_p=w.rollout.top_p, top_k=w.rollout.top_k,
-                      max_tokens=w.rollout.max_tokens, seed=w.seed + 7919 * c)
+                      max_tokens=w.rollout.max_tokens, seed=w.seed + 7919 * c + 104_729 * rep)
     eng.generate([p for _, p in reqs], 1, sp, group_ids=[f"sweep:{g}" for g, _ in reqs], epoch=1, record_history=False)
     return _derived({k: v for k, v in eng.metrics().items() if isinstance(v, (int, float))})
 
@@ -304,9 +307,21 @@ def run_sweep(args) -> dict:
                 _warm(eng, w, t)
         for t in temps:
             for c in concs:
-                r = {m: _cell(eng, w, t, c) for m, eng in engines.items()}
+                # Repetitions interleaved, the order alternating, the median kept: drift of the
+                # machine's load hits both methods alike, one slow shot decides nothing.
+                runs: dict = {m: [] for m in engines}
+                for rep in range(args.repeats):
+                    order = list(engines) if rep % 2 == 0 else list(reversed(list(engines)))
+                    for m in order:
+                        runs[m].append(_cell(engines[m], w, t, c, rep))
+                r = {m: sorted(rs, key=lambda x: x["wall_s"])[len(rs) // 2] for m, rs in runs.items()}
                 ratio = r["none"]["wall_s"] / r["histospec"]["wall_s"] if r["histospec"]["wall_s"] > 0 else 0.0
+                per_tok = {m: sorted(x["wall_s"] / max(1, x["generated_tokens"]) for x in rs)[len(rs) // 2]
+                           for m, rs in runs.items()}
                 cells.append({"temperature": t, "concurrency": c, "ratio": ratio,
+                              "ratio_per_token": per_tok["none"] / per_tok["histospec"] if per_tok["histospec"] else 0.0,
+                              "ratios_each_repeat": [a["wall_s"] / b["wall_s"] for a, b in zip(runs["none"], runs["histospec"])
+                                                     if b["wall_s"] > 0],
                               "tokens_per_forward": r["histospec"]["tokens_per_forward"],
                               "acceptance_rate": r["histospec"]["acceptance_rate"],
                               "none_wall_s": r["none"]["wall_s"], "histospec_wall_s": r["histospec"]["wall_s"],
@@ -327,7 +342,7 @@ def run_sweep(args) -> dict:
     ratios = [c["ratio"] for c in cells]
     return {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
             "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
-            "cells": cells, "min_ratio": min(ratios) if ratios else None,
+            "repeats": args.repeats, "cells": cells, "min_ratio": min(ratios) if ratios else None,
             "geomean_ratio": math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None}
 
 
@@ -336,7 +351,8 @@ def _sweep_table(out: dict) -> str:
     concs = sorted({c["concurrency"] for c in out["cells"]})
     by = {(c["temperature"], c["concurrency"]): c for c in out["cells"]}
     lines = [f"rollout sweep: {out['workload']} n={out['n']} max_tokens={out['max_tokens']} "
-             f"trained epochs={out['trained_epochs']}: HistoSpec wall-time ratio to none (tokens per forward)",
+             f"trained epochs={out['trained_epochs']}: HistoSpec wall-time ratio to none (tokens per forward), "
+             f"median of {out.get('repeats', 1)}",
              f"{'T / requests':<14}" + "".join(f"{c:>16}" for c in concs)]
     for t in temps:
         lines.append(f"{t:<14}" + "".join(f"{by[(t, c)]['ratio']:>9.3f}x ({by[(t, c)]['tokens_per_forward']:.2f})"
@@ -380,6 +396,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--sweep-temperatures", default=",".join(str(t) for t in SWEEP_TEMPERATURES),
                    help="--sweep: comma-separated temperatures")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--sweep: interleaved repetitions of each cell per method (the median is kept)")
     p.add_argument("--sweep-concurrency", default=",".join(str(c) for c in SWEEP_CONCURRENCY),
                    help="--sweep: comma-separated numbers of concurrent requests")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
@@ -401,6 +419,8 @@ def main(argv: list[str]) -> int:
         args.sweep_concurrency = tuple(int(c) for c in args.sweep_concurrency.split(",") if c.strip())
     except ValueError as e:
         p.error(f"--sweep-temperatures / --sweep-concurrency: {e}")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if not args.sweep_temperatures or not args.sweep_concurrency or min(args.sweep_concurrency) < 1:
         p.error("--sweep-temperatures and --sweep-concurrency need at least one value each (concurrency >= 1)")
     # One intra-op thread, as vLLM serves on a 2-core host: a second thread spin-waits at every

@@ -29,11 +29,8 @@ CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 # only, on 1-digit sums, so that 24 tokens hold it (same machinery, shorter responses).
 SHORT_ANSWERS = ["data.tasks=[chain_sum]", "data.answer_format=final_only",
                  "data.task_args={chain_sum: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}"]
-# Prior step costs: the measured fit would make whether a step drafts hang on the machine's
-# timings, and these tests check that drafting works in every step of epoch 2.
 SMALL = ["run.epochs=2", "data.size=8", "data.prompts_per_step=4", "tracking.wandb=disabled",
-         "checkpoint.every_steps=0", "reward.workers=1", "algo.lr=1e-5", "rollout.max_tokens=24",
-         "histospec.step_cost=prior", *SHORT_ANSWERS]
+         "checkpoint.every_steps=0", "reward.workers=1", "algo.lr=1e-5", "rollout.max_tokens=24", *SHORT_ANSWERS]
 
 
 def fisher_exact_p(a: int, b: int, c: int, d: int) -> float:

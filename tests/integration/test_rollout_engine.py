@@ -92,16 +92,37 @@ def test_greedy_histospec_equals_no_speculation(none_engine, hs_engine):
     assert [r.token_ids for r in second] == want
     assert m["draft_accepted"] > 0.5 * m["generated_tokens"], m
     assert m["tokens_per_forward"] > 2.0, m
-    # The goodput rule reports its bypassed steps and sources; with the default
-    # step_cost=measured it fits the step-time model from the engine's timed decode steps.
-    assert m["step_cost/observed_steps"] > 0 and 0.0 <= m["steps_without_drafts_fraction"] < 1.0, m
-    assert m["step_cost/per_token_ms"] > 0, m
+    # The goodput rule reports its bypassed steps and sources; with the default step_cost=prior
+    # it prices steps from the prior model and times none.
+    assert m["step_cost/observed_steps"] == 0 and 0.0 <= m["steps_without_drafts_fraction"] < 1.0, m
     assert m["history_served_fraction"] == 1.0 and m["source/history/drafts"] > 0, m
     # Accepted drafts still report the policy's log-probabilities.
     lp = second[0].responses[0].logprobs
     assert len(lp) == len(want[0][0])
     assert max(abs(a - b) for a, b in zip(lp, ref_lp)) < 1e-3
     assert all(r.finish_reason in ("length", "stop") for res in second for r in res.responses)
+
+
+def test_measured_step_costs_fit_the_engine_and_still_draft(none_engine, hs_engine):
+    """step_cost=measured: the engine's timed decode steps feed the fit, and with a history
+    that predicts every token the fitted costs still let it draft (the cold first drafted
+    steps, which once locked drafting out, are not fitted)."""
+    from rhymerl.histospec import HistoryStore
+    from rhymerl.config import HistoSpecConfig
+
+    want = [r.token_ids for r in none_engine.generate(PROMPTS, 2, _greedy())]
+    saved = hs_engine.histospec_cfg
+    hs_engine.histospec_cfg = dataclasses.replace(saved, step_cost="measured")
+    try:
+        hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
+        assert [r.token_ids for r in hs_engine.generate(PROMPTS, 2, _greedy(), epoch=0)] == want
+        assert [r.token_ids for r in hs_engine.generate(PROMPTS, 2, _greedy(), epoch=1)] == want
+        m = hs_engine.metrics()
+    finally:
+        hs_engine.histospec_cfg = saved
+        hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
+    assert m["step_cost/observed_steps"] > 0 and m["step_cost/per_token_ms"] > 0, m
+    assert m["draft_accepted"] > 0.5 * m["generated_tokens"], m
 
 
 def _chi2_sf(x: float, dof: int) -> float:
