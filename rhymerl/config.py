@@ -161,8 +161,8 @@ class HistoSpecConfig:
     # depend on timings: a resumed sampled run is reproduced in distribution, not token
     # for token (greedy runs are exact either way). "prior" keeps the coefficients below:
     # token-exact replays and resumes of sampled runs. Prior is the default because inside
-    # the RL loop (bench e2e, long-tailed lengths) measured drafted far less (1.10 tokens
-    # per forward against 1.5-1.9), although it wins the short fixed-batch sweep.
+    # the RL loop (bench e2e, long-tailed lengths) measured drafted far less (1.10 and 1.32
+    # tokens per forward in two runs, prior 1.64), although it wins the short fixed-batch sweep.
     step_cost: Literal["measured", "prior"] = "prior"
     # goodput rule: prior of the engine step-time model (the measured fit starts from it).
     step_cost_fixed_ms: float = 55.0
