@@ -36,7 +36,7 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 METHODS = ("none", "ngram", "suffix", "histospec")
 SWEEP_TEMPERATURES = (0.0, 0.7, 1.0)
@@ -293,6 +293,16 @@ def _cell(eng, w: Workload, temperature: float, c: int, rep: int = 0) -> dict:
     return _derived({k: v for k, v in eng.metrics().items() if isinstance(v, (int, float))})
 
 
+def median_run(runs: list, key: Callable[[Any], float]) -> Any:
+    """The run whose ``key`` is the median (the upper one of an even count): a real run, so
+    its other figures belong to it."""
+    return sorted(runs, key=key)[len(runs) // 2]
+
+
+def _s_per_token(run: dict) -> float:
+    return run["wall_s"] / max(1, run["generated_tokens"])
+
+
 def run_sweep(args) -> dict:
     w = _config_workload(args) if args.config else _model_workload(args)
     temps = args.sweep_temperatures
@@ -314,10 +324,9 @@ def run_sweep(args) -> dict:
                     order = list(engines) if rep % 2 == 0 else list(reversed(list(engines)))
                     for m in order:
                         runs[m].append(_cell(engines[m], w, t, c, rep))
-                r = {m: sorted(rs, key=lambda x: x["wall_s"])[len(rs) // 2] for m, rs in runs.items()}
+                r = {m: median_run(rs, lambda x: x["wall_s"]) for m, rs in runs.items()}
                 ratio = r["none"]["wall_s"] / r["histospec"]["wall_s"] if r["histospec"]["wall_s"] > 0 else 0.0
-                per_tok = {m: sorted(x["wall_s"] / max(1, x["generated_tokens"]) for x in rs)[len(rs) // 2]
-                           for m, rs in runs.items()}
+                per_tok = {m: _s_per_token(median_run(rs, _s_per_token)) for m, rs in runs.items()}
                 cells.append({"temperature": t, "concurrency": c, "ratio": ratio,
                               "ratio_per_token": per_tok["none"] / per_tok["histospec"] if per_tok["histospec"] else 0.0,
                               "ratios_each_repeat": [a["wall_s"] / b["wall_s"] for a, b in zip(runs["none"], runs["histospec"])
@@ -396,10 +405,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--sweep-temperatures", default=",".join(str(t) for t in SWEEP_TEMPERATURES),
                    help="--sweep: comma-separated temperatures")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="--sweep: interleaved repetitions of each cell per method (the median is kept)")
     p.add_argument("--sweep-concurrency", default=",".join(str(c) for c in SWEEP_CONCURRENCY),
                    help="--sweep: comma-separated numbers of concurrent requests")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="--sweep: interleaved repetitions of each cell per method (the median is kept)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
     args = p.parse_args(argv)
     if args.model:

@@ -126,7 +126,7 @@ VARIANTS = {
 
 
 def run(args) -> dict:
-    from rhymerl.bench.rollout import _prompts
+    from rhymerl.bench.rollout import _prompts, median_run
     from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
     from rhymerl.histospec import HistoryStore
     from rhymerl.models import resolve_model
@@ -176,7 +176,7 @@ def run(args) -> dict:
                         if not patched:
                             vllm_patches.apply_all()
             for label, rs in reps.items():
-                rows[label][n] = sorted(rs, key=lambda r: r["step_ms"])[len(rs) // 2]
+                rows[label][n] = median_run(rs, lambda r: r["step_ms"])
             print(f"[{n} requests] " + "  ".join(f"{lb}: {rows[lb][n]['step_ms']:.1f}" for lb in VARIANTS) + " ms/step",
                   file=sys.stderr)
     finally:

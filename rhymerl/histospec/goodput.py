@@ -98,8 +98,7 @@ class StepCostModel:
         if num_requests <= 0 or num_scored_tokens < num_requests or not (seconds > 0 and math.isfinite(seconds)):
             return
         drafts = num_scored_tokens - num_requests
-        n_draft = min(num_requests, drafts) if num_drafting_requests is None else \
-            max(0, min(num_requests, drafts, int(num_drafting_requests)))
+        n_draft = _drafting_requests(num_requests, drafts, num_drafting_requests)
         drafted = int(drafts > 0)
         self._seen[drafted] += 1
         if self._seen[drafted] <= self.warmup:
@@ -202,9 +201,8 @@ class StepCostModel:
 
     def predict(self, num_requests: int, num_scored_tokens: int, num_drafting_requests: Optional[int] = None) -> float:
         f, r, t, dr = self.coef
-        drafts = num_scored_tokens - num_requests
-        n = min(num_requests, drafts) if num_drafting_requests is None else num_drafting_requests
-        return f + r * num_requests + t * num_scored_tokens + dr * max(0, n)
+        n = _drafting_requests(num_requests, num_scored_tokens - num_requests, num_drafting_requests)
+        return f + r * num_requests + t * num_scored_tokens + dr * n
 
     def state(self) -> dict:
         f, r, t, dr = self.coef
@@ -215,6 +213,13 @@ class StepCostModel:
 
 
 _K = 4  # columns of the step-cost fit: 1, R, D, N
+
+
+def _drafting_requests(num_requests: int, drafts: int, given: Optional[int]) -> int:
+    """Requests that drafted: as given (at most one per request and per draft token), or,
+    not given, as many as the drafts could have come from."""
+    bound = max(0, min(num_requests, drafts))
+    return bound if given is None else max(0, min(bound, int(given)))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> Optional[list[float]]:

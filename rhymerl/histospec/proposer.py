@@ -425,10 +425,10 @@ class DraftProposer:
         return out
 
     def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float,
-                     num_drafting_rows: Optional[int] = None) -> None:
+                     num_drafting_requests: Optional[int] = None) -> None:
         """A measured engine step (see ``goodput.StepCostModel``); ignored with step_cost=prior."""
         if self.cfg.step_cost == "measured":
-            self.cost.observe_step(num_requests, num_scored_tokens, seconds, num_drafting_rows)
+            self.cost.observe_step(num_requests, num_scored_tokens, seconds, num_drafting_requests)
 
     def start_rollout(self) -> None:
         """A new rollout (new policy weights): statistics and learnt acceptance start afresh,
