@@ -15,6 +15,7 @@ Patches (name: reason):
 - ``causal_mask_device``: the default causal attention mask is built with ``device="cuda"``.
 - ``grad_clip_cpu``: clipping asserts every grad is a ``torch.cuda.FloatTensor``; accept float32 CPU grads.
 - ``cuda_synchronize``: p2p pipeline communication calls ``torch.cuda.synchronize()`` (PP > 1).
+- ``checkpoint_rng``: activation recomputation saves and restores the CUDA generator's state; keep the CPU generator's and the tracker's.
 - ``tensor_cuda``: tied embeddings with PP > 1 move the shared weight with ``Tensor.cuda()`` before the all-reduce.
 """
 
@@ -166,6 +167,30 @@ def _apply_cpu_rng_tracker():
     return undo
 
 
+def _apply_checkpoint_rng():
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = (mrandom._get_all_rng_states, mrandom._set_all_rng_states)
+
+    # CheckpointFunction and _fork_rng look these up at call time. Without CUDA there is no
+    # device generator to save; the CPU generator and the tracker's (CPU) states are all the
+    # recomputed forward draws from.
+    def _get_all_rng_states():
+        return torch.get_rng_state(), None, mrandom.get_cuda_rng_tracker().get_states()
+
+    def _set_all_rng_states(cpu_rng_state, _device_rng_state, tracker_states):
+        torch.set_rng_state(cpu_rng_state)
+        mrandom.get_cuda_rng_tracker().set_states(tracker_states)
+
+    mrandom._get_all_rng_states, mrandom._set_all_rng_states = _get_all_rng_states, _set_all_rng_states
+
+    def undo():
+        mrandom._get_all_rng_states, mrandom._set_all_rng_states = saved
+
+    return undo
+
+
 def _apply_cuda_synchronize():
     import torch
 
@@ -239,6 +264,8 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
           _apply_grad_clip_cpu),
     Patch("cuda_synchronize", "p2p pipeline communication calls torch.cuda.synchronize() (PP > 1)",
           _apply_cuda_synchronize),
+    Patch("checkpoint_rng", "activation recomputation saves and restores the CUDA generator's state; keep the CPU "
+          "generator's and the tracker's", _apply_checkpoint_rng),
     Patch("tensor_cuda", "tied embeddings with PP > 1 move the shared weight with Tensor.cuda() before the all-reduce",
           _apply_tensor_cuda),
 )}

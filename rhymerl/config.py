@@ -88,6 +88,10 @@ class ParallelConfig:
     # Megatron's full activation recomputation (one layer per checkpoint): only each layer's
     # input is kept for backward, at the cost of a second forward.
     recompute_activations: bool = False
+    # Core attention of megatron's layers: "sdpa" runs torch's fused scaled_dot_product_attention
+    # (flash attention: no [s, s] score matrix per layer kept for backward, the largest share of
+    # a long-row training step's memory); "unfused" is megatron's own baddbmm + softmax.
+    attention: Literal["sdpa", "unfused"] = "sdpa"
 
 
 @dataclass

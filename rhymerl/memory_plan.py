@@ -107,7 +107,9 @@ def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> Me
     seq = min(r.max_model_len, tokens)
     h, layers = size.hidden_size, size.num_layers // pp
     full_layer = tokens * h * (ACT_BYTES_PER_TOKEN_HIDDEN + ACT_BYTES_PER_TOKEN_HIDDEN_TP / tp) * wb / 2
-    scores = tokens * seq * (size.num_heads / tp) * SCORE_BYTES
+    # Fused attention (parallel.attention=sdpa) keeps one log-sum-exp per row and head instead.
+    scores = tokens * seq * (size.num_heads / tp) * SCORE_BYTES if p.attention == "unfused" \
+        else tokens * (size.num_heads / tp) * 4
     if p.recompute_activations:
         # Only each layer's input is kept; backward recomputes one layer at a time.
         activations = layers * tokens * h * wb + full_layer + scores

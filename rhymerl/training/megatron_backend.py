@@ -109,6 +109,20 @@ def combine_metrics(per_micro: list[dict]) -> dict:
     return out
 
 
+def layer_spec(attention: str):
+    """megatron's local (non-TE) layer spec, its core attention chosen by ``parallel.attention``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        from rhymerl.training.sdpa_attention import SdpaDotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+    elif attention != "unfused":
+        raise ValueError(f"parallel.attention: {attention!r} not allowed; allowed: sdpa, unfused")
+    return spec
+
+
 class MegatronBackend:
     """``TrainingBackend`` on megatron-core. Construct through ``rhymerl.training.build_backend``."""
 
@@ -121,7 +135,6 @@ class MegatronBackend:
                  load_weights: bool = True):
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         import megatron_patches
 
@@ -134,9 +147,6 @@ class MegatronBackend:
             raise ValueError(f"model.dtype: {dtype} training with megatron-core needs CUDA (its mixed-precision "
                              "optimizer only wraps torch.cuda tensors); use float32 on CPU hosts "
                              "(inference and export work in any dtype)")
-        if parallel_cfg.recompute_activations and train and groups.device.type != "cuda":
-            raise ValueError("parallel.recompute_activations: megatron-core's recomputation saves and restores the CUDA "
-                             "RNG state (torch.cuda.get_rng_state); set it to false on CPU hosts")
         if parallel_cfg.distributed_optimizer and groups.device.type != "cuda":
             raise ValueError("parallel.distributed_optimizer: megatron-core's distributed optimizer needs CUDA "
                              "tensors; set it to false on CPU hosts")
@@ -155,7 +165,7 @@ class MegatronBackend:
         self.config = transformer_config(self.layout, groups.tp_size, groups.pp_size, self.dtype,
                                          recompute=parallel_cfg.recompute_activations and train)
         model = GPTModel(
-            config=self.config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            config=self.config, transformer_layer_spec=layer_spec(parallel_cfg.attention),
             vocab_size=self.layout.vocab_size, max_sequence_length=self.layout.max_position_embeddings,
             pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
             share_embeddings_and_output_weights=self.layout.tied, position_embedding_type="rope",

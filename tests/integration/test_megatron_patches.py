@@ -20,8 +20,9 @@ SINGLE = {
     "cpu_rng_tracker": "build",
     "schedules_device": "forward",
     "optimizer_device": "train",
-    "causal_mask_device": "forward",
+    "causal_mask_device": "forward_unfused",
     "grad_clip_cpu": "train",
+    "checkpoint_rng": "train_recompute",
 }
 # Pipeline-only call sites: 2 ranks at PP=2 with tied embeddings.
 PIPELINE = {"cuda_synchronize": "forward", "tensor_cuda": "build"}
