@@ -186,7 +186,8 @@ def measure(cfg) -> dict:
         comp["other"] = peak - sum(comp.values())
         per = lambda b: round(b / n, 2)  # noqa: E731
         return {
-            "config": cfg.run.name, "model_params": n, "peak_rss_bytes": peak, "peak_bytes_per_param": per(peak),
+            "config": cfg.run.name, "attention": cfg.parallel.attention,
+            "recompute_activations": cfg.parallel.recompute_activations, "model_params": n, "peak_rss_bytes": peak, "peak_bytes_per_param": per(peak),
             "bytes_per_param": {k: per(v) for k, v in comp.items()},
             "phase_peak_bytes_per_param": {k: per(v) for k, v in peaks.peaks.items()},
             "rss_after_build_bytes_per_param": per(built),
@@ -200,7 +201,7 @@ def measure(cfg) -> dict:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="rhymerl bench memory", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--out", default="runs/bench-memory")
     ap.add_argument("--qwen25-05b-shape", action="store_true",
                     help="measure a Qwen2.5-0.5B-shaped model with random weights (written once under --out)")
@@ -216,7 +217,10 @@ def main(argv: list[str]) -> int:
         extra = [f"model.path={model}", "rollout.speculative=none"]
     cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}", "run.max_steps=1",
                                     "tracking.wandb=disabled", "checkpoint.every_steps=0"])
-    res = measure(cfg)
+    from rhymerl.bench.rollout import quiet_stdout
+
+    with quiet_stdout():  # vLLM's and megatron's logs go to stderr; stdout carries the result
+        res = measure(cfg)
     if args.json:
         print(json.dumps(res))
     else:
