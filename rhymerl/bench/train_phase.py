@@ -11,7 +11,9 @@ backend (TP=PP=DP=1, this process). Variants, each timed as the trainer's traini
 - ``separate_cut``: the separate pass, micro-batches cut to their own longest row;
 - ``on_policy_cut``: old log-probs from the loss's own forward (``updates_per_step: 1``).
 
-Prints seconds per variant and each one's ratio to ``on_policy_cut``.
+Prints seconds per variant and each one's ratio to ``on_policy_cut``. ``--attention`` and
+``--recompute-activations`` choose the backend's attention kernel and recomputation (run once
+per choice to compare them).
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--attention", choices=("sdpa", "unfused"), default="sdpa", help="parallel.attention")
+    ap.add_argument("--recompute-activations", action="store_true", help="parallel.recompute_activations")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -70,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     from rhymerl.training.process_groups import destroy_process_groups, init_process_groups
 
     batch, lengths = trace_batch(args.trace, args.rows, args.prompt_tokens, args.step)
-    pcfg = ParallelConfig()
+    pcfg = ParallelConfig(attention=args.attention, recompute_activations=args.recompute_activations)
     groups = init_process_groups(pcfg, 1, 0)
     backend = build_backend(pcfg, AlgorithmConfig(lr=1e-7, micro_batch_tokens=args.micro_batch_tokens),
                             resolve_model(ModelConfig(path=args.model)), groups)
@@ -102,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(times["on_policy_cut"])
     out = {"rows": len(lengths), "response_tokens": sum(lengths), "response_len_max": max(lengths),
            "prompt_tokens": args.prompt_tokens, "batch_width": int(batch.input_ids.shape[1]),
-           "micro_batch_tokens": args.micro_batch_tokens, "repeats": args.repeats,
+           "micro_batch_tokens": args.micro_batch_tokens, "attention": args.attention,
+           "recompute_activations": args.recompute_activations, "repeats": args.repeats,
            "seconds": {k: round(statistics.median(v), 3) for k, v in times.items()},
            "ratio_to_on_policy_cut": {k: round(statistics.median(v) / base, 3) for k, v in times.items()}}
     if args.json:

@@ -167,8 +167,9 @@ class StepCostModel:
         fixed, per_row, per_tok, per_drow = beta
         # Negative coefficients are fitting artefacts: clamp, and keep the draft-token cost
         # strictly positive so drafting is never free.
-        per_tok = max(per_tok, 1e-3 * self.prior[2] * max(per_row, 0.0) / max(self._prior_basis[1], 1e-12),
-                      1e-9)
+        prior_tok_per_row = self.prior[2] / max(self._prior_basis[1], 1e-12)
+        floor = 1e-3 * prior_tok_per_row * max(per_row, 0.0)
+        per_tok = max(per_tok, floor, 1e-9)
         per_drow = max(per_drow, 0.0)
         self._coef = (max(0.0, fixed), max(0.0, per_row - per_tok), per_tok, per_drow)
         # Standard errors of the drafting costs: relative residual variance (weights are

@@ -144,6 +144,70 @@ def _install_meter(worker: Any) -> Any:
     return _DrafterMeter(drafter)
 
 
+def _kv_cache_tensors(runner: Any) -> list:
+    """One tensor per distinct KV cache storage of a model runner."""
+    import torch
+
+    out: dict[int, Any] = {}
+    for c in getattr(runner, "kv_caches", None) or []:
+        for t in (c if isinstance(c, (list, tuple)) else [c]):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
+                out.setdefault(t.untyped_storage().data_ptr(), t)
+    return list(out.values())
+
+
+def _release_kv_cache(worker: Any) -> int:
+    """vLLM's CPU worker has no sleep mode: free the KV cache's memory by shrinking its storages
+    to zero bytes. The tensors, and every view the attention layers hold, stay in place and
+    come back with ``_restore_kv_cache``. Returns the bytes released."""
+    runner = _runner_of(worker)
+    if getattr(runner, "_rhymerl_released_kv", None):
+        return 0
+    released = []
+    for t in _kv_cache_tensors(runner):
+        storage = t.untyped_storage()
+        released.append((t, storage.nbytes()))
+        storage.resize_(0)
+    runner._rhymerl_released_kv = released
+    return sum(n for _, n in released)
+
+
+def _restore_kv_cache(worker: Any) -> int:
+    """Re-allocate the storages ``_release_kv_cache`` freed, zeroed (their old contents were
+    computed with the previous weights and the prefix cache is reset with every reload)."""
+    runner = _runner_of(worker)
+    released = getattr(runner, "_rhymerl_released_kv", None) or []
+    for t, nbytes in released:
+        t.untyped_storage().resize_(nbytes)
+        t.untyped_storage().fill_(0)
+    runner._rhymerl_released_kv = []
+    return sum(n for _, n in released)
+
+
+def _discarded_kernel(*_args: Any, **_kwargs: Any) -> Any:
+    raise RuntimeError("rollout: the engine's weights were discarded by sleep(level=2); "
+                       "load_weights() must run before it generates again")
+
+
+def _discard_cpu_kernels(worker: Any) -> int:
+    """Level-2 sleep on CPU: drop the CPU GEMM kernels' packed weights (the linear layers' own
+    weights were already freed when they were packed; a tied output layer keeps only the
+    embedding). ``load_weights`` packs fresh ones, as it does after every update. Returns the
+    number of layers whose kernel was dropped."""
+    dropped = 0
+    for module in _runner_of(worker).model.modules():
+        kernel = getattr(module, "cpu_linear", None)
+        if kernel is not None and kernel is not _discarded_kernel:
+            module.cpu_linear = _discarded_kernel
+            dropped += 1
+    return dropped
+
+
+def _discarded_kernels(worker: Any) -> int:
+    """Layers still without a kernel after a reload (a tensor the reload was not sent)."""
+    return sum(1 for m in _runner_of(worker).model.modules() if getattr(m, "cpu_linear", None) is _discarded_kernel)
+
+
 def _retie_embeddings(worker: Any) -> bool:
     """Point a tied lm_head back at the embedding after an in-place reload.
 
@@ -238,6 +302,8 @@ class RolloutEngine:
         from rhymerl.rollout import vllm_patches
 
         self.on_cpu = current_platform.is_cpu()
+        # Set by a CPU sleep(level=2), cleared by load_weights: generating in between is refused.
+        self._weights_discarded = False
         self.patches = vllm_patches.apply_all()
         if self.on_cpu:
             heads = int(text_cfg["num_attention_heads"])
@@ -378,6 +444,7 @@ class RolloutEngine:
         instances (the trainer) passes False and records whole groups itself, with rewards."""
         from rhymerl.histospec import prompt_key
 
+        self._check_weights()
         if group_ids is not None and len(group_ids) != len(prompts):
             raise ValueError(f"generate: {len(group_ids)} group_ids for {len(prompts)} prompts")
         if n < 1:
@@ -470,6 +537,7 @@ class RolloutEngine:
                group_id: str) -> None:
         """Add one request; ``key`` is the history key of the original prompt (a migrated
         request's prompt carries its generated prefix, its key stays the prompt's)."""
+        self._check_weights()
         extra = {"rhymerl_rid": rid, "rhymerl_key": int(key), "rhymerl_group": group_id}
         self._engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, self._params(sampling, extra, seed))
 
@@ -553,24 +621,47 @@ class RolloutEngine:
         t0 = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_retie_embeddings)
+        if self._weights_discarded:
+            missing = sum(self.llm.collective_rpc(_discarded_kernels))
+            if missing:
+                raise RuntimeError(f"rollout: load_weights left {missing} layer(s) without weights after a "
+                                   "sleep(level=2); send every tensor of the model")
+            self._weights_discarded = False
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
         return time.perf_counter() - t0
 
-    def sleep(self, level: int = 1) -> None:
-        """Release device memory: level 1 offloads the weights to host memory, 2 discards them; both free the KV cache."""
-        if self.on_cpu:
-            self._warn_once("sleep", "rollout: sleep/wake_up are no-ops on CPU (vLLM's sleep mode is GPU-only)")
-            return
-        self.llm.sleep(level=level)
+    def _check_weights(self) -> None:
+        if self._weights_discarded:
+            raise RuntimeError("rollout: the engine's weights were discarded by sleep(level=2); "
+                               "load_weights() must run before it generates again")
 
-    def wake_up(self, tags: Optional[list[str]] = None) -> None:
-        """Re-allocate device memory: ``["weights"]`` before a weight reload, ``["kv_cache"]`` before
-        generating, None for both."""
+    def sleep(self, level: int = 1) -> int:
+        """Release device memory: level 1 offloads the weights to host memory, 2 discards them; both free the KV cache.
+
+        On CPU, where vLLM has no sleep mode, the engine does it itself: the KV cache is freed
+        at both levels; level 2 also drops the CPU kernels' packed weights (``load_weights``
+        must then run before the next ``generate``), level 1 keeps them (they already live in
+        host memory). Returns the KV cache bytes freed on CPU, 0 where vLLM's sleep mode does
+        the work."""
         if self.on_cpu:
-            self._warn_once("sleep", "rollout: sleep/wake_up are no-ops on CPU (vLLM's sleep mode is GPU-only)")
-            return
+            if level >= 2:
+                # Discarded: the CPU kernels' packed weights; the next load_weights repacks.
+                self.llm.collective_rpc(_discard_cpu_kernels)
+                self._weights_discarded = True
+            return int(sum(self.llm.collective_rpc(_release_kv_cache)))
+        self.llm.sleep(level=level)
+        return 0
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> int:
+        """Re-allocate device memory: ``["weights"]`` before a weight reload, ``["kv_cache"]`` before
+        generating, None for both. Returns the KV cache bytes re-allocated on CPU."""
+        if self.on_cpu:
+            if tags is None or "kv_cache" in tags:
+                return int(sum(self.llm.collective_rpc(_restore_kv_cache)))
+            return 0
         self.llm.wake_up(tags)
+        return 0
 
     def shutdown(self) -> None:
         llm = getattr(self, "llm", None)

@@ -137,9 +137,11 @@ class DeepSpeedBackend:
         progress = self.progress
         if progress is not None:
             progress.start("training", total=len(micro), unit="micro-batches")
+        tokens_seen = 0
         for i, mb in enumerate(micro):
             if progress is not None:
-                progress.update(i, tokens=sum(int(m["input_ids"].numel()) for m in micro[:i]))
+                progress.update(i, tokens=tokens_seen)
+            tokens_seen += int(mb["input_ids"].numel())
             lp = self._forward_lp(mb["input_ids"])
             loss, metrics = micro_batch_loss(loss_fn, lp, mb, self.algo_cfg, num_tokens, float(B))
             self.engine.set_gradient_accumulation_boundary(i == plan.num_micro - 1)

@@ -229,13 +229,16 @@ class MegatronBackend:
         """[B, T] log p(x_t | x_<t) from vocab-parallel logits [B, T, V/tp] (0 at t = 0)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+        # The logits are the largest tensors of a training step (vocabulary x tokens): no copy
+        # of them is made here. The temperature divides them in place and megatron's cross
+        # entropy turns them, in place, into the softmax its backward needs. Every position
+        # is scored (the last one against a dummy target, then dropped) so the buffer needs
+        # no slicing, which would have to be copied.
         if self.temperature != 1.0:
-            logits = logits / self.temperature
-        target = input_ids[:, 1:]
-        # Megatron's cross entropy wants [s, b, v]; it is -log p, so negate it.
-        nll = vocab_parallel_cross_entropy(logits[:, :-1].transpose(0, 1).float().contiguous(),
-                                           target.transpose(0, 1).contiguous())
-        lp = -nll.transpose(0, 1)
+            logits = logits.div_(self.temperature)
+        target = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+        # Megatron's cross entropy is -log p over any leading dimensions.
+        lp = -vocab_parallel_cross_entropy(logits, target)[:, :-1]
         return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
     def _run(self, micro: list[dict], loss_func: Callable, forward_only: bool) -> list:
@@ -244,16 +247,17 @@ class MegatronBackend:
         g = self.groups
         rows, seq = micro[0]["input_ids"].shape
         progress = self.progress
-        seen = 0
+        seen = tokens_seen = 0
         if progress is not None:
             progress.start("log-probs" if forward_only else "training", total=len(micro), unit="micro-batches")
 
         def forward_step(data_iterator, model):
-            nonlocal seen
+            nonlocal seen, tokens_seen
             mb = next(data_iterator)
             if progress is not None:
-                progress.update(seen, tokens=sum(int(m["input_ids"].numel()) for m in micro[:seen]))
+                progress.update(seen, tokens=tokens_seen)
             seen += 1
+            tokens_seen += int(mb["input_ids"].numel())
             ids = mb["input_ids"].to(g.device)
             # Without pipeline stages each micro-batch may be cut to its own longest row.
             pos = torch.arange(ids.shape[1], device=g.device).unsqueeze(0).expand(ids.shape[0], -1)

@@ -303,13 +303,38 @@ def test_greedy_baselines_equal_no_speculation(model_dir, none_engine, method):
         assert m["draft_accepted"] > 0, m
 
 
-def test_sleep_and_wake_are_noops_on_cpu(none_engine, caplog):
-    caplog.set_level(logging.WARNING, logger="rhymerl.rollout.engine")
-    before = [r.token_ids for r in none_engine.generate(PROMPTS[:1], 1, _greedy(8))]
-    none_engine.sleep()
-    none_engine.wake_up()
-    assert [r.token_ids for r in none_engine.generate(PROMPTS[:1], 1, _greedy(8))] == before
-    assert sum("no-ops on CPU" in r.getMessage() for r in caplog.records) == 1
+def _kv_bytes(engine) -> int:
+    from rhymerl.rollout.engine import _kv_cache_tensors, _runner_of
+
+    return sum(engine.llm.collective_rpc(
+        lambda w: sum(t.untyped_storage().nbytes() for t in _kv_cache_tensors(_runner_of(w)))))
+
+
+def test_sleep_frees_the_kv_cache_on_cpu_and_wake_restores_it(model_dir, none_engine):
+    from safetensors.torch import load_file
+
+    before = [r.token_ids for r in none_engine.generate(PROMPTS, 2, _greedy(12))]
+    kv = _kv_bytes(none_engine)
+    assert kv > 0
+    # Level 1 keeps the weights: wake and generate.
+    assert none_engine.sleep(1) == kv
+    assert _kv_bytes(none_engine) == 0
+    assert none_engine.sleep(1) == 0  # already released
+    assert none_engine.wake_up(["weights"]) == 0
+    assert none_engine.wake_up(["kv_cache"]) == kv
+    assert _kv_bytes(none_engine) == kv
+    assert [r.token_ids for r in none_engine.generate(PROMPTS, 2, _greedy(12))] == before
+    # Level 2 discards the packed weights too: generating before a reload is refused by name,
+    # and a reload (what the trainer does after every update) brings them back.
+    assert none_engine.sleep(2) == kv
+    none_engine.wake_up(None)
+    with pytest.raises(RuntimeError, match="weights were discarded"):
+        none_engine.generate(PROMPTS, 1, _greedy(4))
+    none_engine.sleep(2)
+    none_engine.wake_up(["weights"])
+    none_engine.load_weights(load_file(str(model_dir / "model.safetensors")).items())
+    none_engine.wake_up(["kv_cache"])
+    assert [r.token_ids for r in none_engine.generate(PROMPTS, 2, _greedy(12))] == before
 
 
 def test_load_weights_equals_fresh_engine(model_dir, none_engine, tmp_path):

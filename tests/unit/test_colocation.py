@@ -63,6 +63,22 @@ def test_device_memory_released_is_reported_per_call():
     assert m["colocation/engine_sleep_freed_gb"] == 20 and m["colocation/engine_wake_kv_freed_gb"] == -10
 
 
+def test_without_a_device_figure_the_engines_own_count_is_reported():
+    class CpuEngine(Recorder):  # what RolloutEngine.sleep/wake_up return on CPU: KV cache bytes
+        def sleep(self, level):
+            super().sleep(level)
+            return 3 * 10**9
+
+        def wake_up(self, tags=None):
+            super().wake_up(tags)
+            return 3 * 10**9 if "kv_cache" in tags else 0
+
+    e = CpuEngine()
+    m = _steps(Colocation(e, Recorder(), sleep_level=2), 1)[0]
+    assert m["colocation/engine_sleep_freed_gb"] == 3 and m["colocation/engine_wake_kv_freed_gb"] == -3
+    assert "colocation/engine_wake_weights_freed_gb" not in m
+
+
 def test_bad_level_is_refused():
     with pytest.raises(ValueError, match="rollout.sleep_level"):
         Colocation(Recorder(), Recorder(), sleep_level=3)
