@@ -38,6 +38,21 @@ def pytest_collection_modifyitems(config, items):
                 it.add_marker(skip)
 
 
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    """torch.distributed as a one-rank gloo world in this process, destroyed afterwards."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed already runs in this process")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     """The deterministic tiny Llama (built once into the repo's .cache)."""

@@ -98,21 +98,11 @@ def _training_bytes(backend) -> dict[str, int]:
 
 def _engine_tensors(worker):
     """(weight bytes, KV cache bytes) of the engine's model runner."""
-    import torch
+    from rhymerl.rollout.engine import _kv_cache_tensors, _runner_of
 
-    runner = getattr(worker, "worker", worker).model_runner
+    runner = _runner_of(worker)
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    kv = 0
-    seen = set()
-    caches = getattr(runner, "kv_caches", None) or []
-    for c in caches:
-        for t in (c if isinstance(c, (list, tuple)) else [c]):
-            if isinstance(t, torch.Tensor):
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in seen:
-                    seen.add(ptr)
-                    kv += t.untyped_storage().nbytes()
-    return weights, kv
+    return weights, sum(t.untyped_storage().nbytes() for t in _kv_cache_tensors(runner))
 
 
 # Qwen2.5-0.5B's published config.json (the smallest of the paper's model family).

@@ -633,8 +633,7 @@ class RolloutEngine:
 
     def _check_weights(self) -> None:
         if self._weights_discarded:
-            raise RuntimeError("rollout: the engine's weights were discarded by sleep(level=2); "
-                               "load_weights() must run before it generates again")
+            _discarded_kernel()
 
     def sleep(self, level: int = 1) -> int:
         """Release device memory: level 1 offloads the weights to host memory, 2 discards them; both free the KV cache.

@@ -19,10 +19,7 @@ pytestmark = pytest.mark.cpu
 
 
 @pytest.fixture
-def lazy_gloo(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("torch.distributed already runs in this process")
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+def lazy_gloo(one_rank_gloo):
     devices.declare_backend_device("gloo", lazy_device())
     audit = CollectiveAudit(own_packages=("rhymerl", __name__)).install()
     try:
@@ -30,7 +27,6 @@ def lazy_gloo(tmp_path):
     finally:
         audit.uninstall()
         devices.declare_backend_device("gloo", None)
-        dist.destroy_process_group()
 
 
 def test_collectives_module_puts_its_tensor_on_the_group_device(lazy_gloo):

@@ -7,22 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytestmark = pytest.mark.cpu
 
 
 @pytest.fixture
-def one_rank(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("torch.distributed already runs in this process")
+def one_rank(one_rank_gloo):
     import megatron_patches
 
     from rhymerl.config import ParallelConfig
     from rhymerl.training.process_groups import destroy_process_groups, init_process_groups
 
     fresh = not megatron_patches.applied()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         init_process_groups(ParallelConfig(), 1, 0)
         yield

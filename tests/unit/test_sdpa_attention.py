@@ -11,13 +11,10 @@ pytestmark = pytest.mark.cpu
 
 
 @pytest.fixture
-def one_rank(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("torch.distributed already runs in this process")
+def one_rank(one_rank_gloo):
     import megatron_patches
     from megatron.core import parallel_state, tensor_parallel
 
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     fresh = not megatron_patches.applied()
     if fresh:
         megatron_patches.apply_all("cpu")
@@ -32,7 +29,6 @@ def one_rank(tmp_path):
         parallel_state.destroy_global_memory_buffer()
         if fresh:
             megatron_patches.revert_all()
-        dist.destroy_process_group()
 
 
 def _config(**kw):
