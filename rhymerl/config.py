@@ -323,6 +323,10 @@ class SlurmConfig:
     # The warning signal goes to the tasks (--signal=USR1@lead) or, when true, to the batch
     # shell (--signal=B:USR1@lead), which forwards it to the tasks through srun.
     signal_batch: bool = False
+    # Rank 0 also watches the time left itself (squeue) and stops for a requeue once one more
+    # step would end with less than signal_lead_s left: Slurm's warning can come before the
+    # tasks exist (then it is lost) or before the batch shell is ready.
+    watch_time_limit: bool = True
     requeue: bool = True
     log_dir: str = "slurm-logs"
     extra_sbatch: list[str] = field(default_factory=list)

@@ -12,6 +12,11 @@ or an optimizer step. So the handler only records the request; the trainer check
 ``requested`` at the end of a step and agrees across ranks. Slurm delivers these signals to
 every process of the job; the trainer's helper processes are shielded from them
 (rhymerl.child_signals). See slurm/README.md.
+
+A USR1 sent to the batch shell (``--signal=B:USR1@lead``, ``scancel --batch``) is not
+forwarded as a signal: it can arrive before the tasks have installed their handlers, and
+kill them. The shell's trap creates the notice file named by ``RHYMERL_PREEMPT_NOTICE``
+instead, which the handler treats as a USR1 when the trainer polls it.
 """
 
 from __future__ import annotations
@@ -21,8 +26,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Iterable, Optional
+
+NOTICE_ENV = "RHYMERL_PREEMPT_NOTICE"
 
 
 PREEMPT_SIGNALS = frozenset({signal.SIGUSR1})
@@ -35,9 +43,13 @@ class PreemptionHandler:
     installed from the main thread (a Python rule); elsewhere this raises ValueError.
     """
 
-    def __init__(self, signals: Iterable[int] = (signal.SIGUSR1, signal.SIGTERM), *, verbose: bool = True):
+    def __init__(self, signals: Iterable[int] = (signal.SIGUSR1, signal.SIGTERM), *, verbose: bool = True,
+                 notice_file: Optional[str] = None):
         self._signals = tuple(signals)
         self._verbose = verbose
+        notice_file = notice_file if notice_file is not None else os.environ.get(NOTICE_ENV, "")
+        self._notice_file = Path(notice_file) if notice_file else None
+        self._notice_seen = False
         self._requested_by: Optional[int] = None
         self._requested_at: Optional[float] = None
         self._previous: dict[int, object] = {}
@@ -52,18 +64,33 @@ class PreemptionHandler:
             self._requested_by = signum
             self._requested_at = time.monotonic()
         if self._verbose and first:
-            then = "requeue" if self.requeue_requested else "stop without requeueing"
+            then = "requeue" if self._received & PREEMPT_SIGNALS else "stop without requeueing"
             # os.write: print() is not safe inside a signal handler (re-entrant buffered IO).
             os.write(sys.stderr.fileno(), f"[rhymerl] received {signal.Signals(signum).name}: "
                                           f"will checkpoint and {then} at the next safe point\n".encode())
 
+    def _poll_notice(self) -> None:
+        if self._notice_file is None or self._notice_seen or not self._notice_file.exists():
+            return
+        self._notice_seen = True
+        already = signal.SIGUSR1 in self._received
+        self._received.add(signal.SIGUSR1)
+        if self._requested_by is None:
+            self._requested_by = signal.SIGUSR1
+            self._requested_at = time.monotonic()
+        if self._verbose and not already:
+            print(f"[rhymerl] received SIGUSR1 through the batch shell ({self._notice_file}): "
+                  "will checkpoint and requeue at this safe point", file=sys.stderr, flush=True)
+
     @property
     def requested(self) -> bool:
+        self._poll_notice()
         return self._requested_by is not None
 
     @property
     def requeue_requested(self) -> bool:
         """A preemption notice arrived (not only a stop): the job should be requeued."""
+        self._poll_notice()
         return bool(self._received & PREEMPT_SIGNALS)
 
     @property

@@ -4,14 +4,20 @@ Rank and world size come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm
 (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID); MASTER_ADDR/MASTER_PORT from the sbatch script.
 """
 
-import os
-import sys
+# Before any other import: Slurm's warning signal can arrive while the task starts, and
+# without a handler SIGUSR1 kills the process.
+from rhymerl.launch.preemption import PreemptionHandler
 
-from rhymerl.launch.train import launcher_env, run_from_config
+_PREEMPT = PreemptionHandler()
+
+import os  # noqa: E402
+import sys  # noqa: E402
+
+from rhymerl.launch.train import launcher_env, run_from_config  # noqa: E402
 
 if __name__ == "__main__":
     rank, world, local = launcher_env()
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_RANK", str(local))
-    sys.exit(run_from_config(sys.argv[1:]))
+    sys.exit(run_from_config(sys.argv[1:], _PREEMPT))

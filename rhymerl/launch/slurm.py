@@ -144,7 +144,7 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
     if slurm.signal_lead_s:
         # Without "B:" the signal goes to every process of the job steps, where
         # rhymerl.launch.preemption.PreemptionHandler sets the flag the trainer polls; with it, to the
-        # batch shell, whose trap below forwards it to the tasks.
+        # batch shell, whose trap turns it into a notice file rank 0 polls.
         sb.append(f"--signal={'B:' if slurm.signal_batch else ''}USR1@{slurm.signal_lead_s}")
     sb.append("--requeue" if slurm.requeue else "--no-requeue")
     for extra in slurm.extra_sbatch:
@@ -164,6 +164,14 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
         "# Preemption: USR1 -> checkpoint at the next step end -> `scontrol requeue` -> this script",
         "# runs again (SLURM_RESTART_COUNT=1, 2, ...) and the trainer resumes (checkpoint.resume=auto).",
         "set -uo pipefail",
+        "# First, before anything can take time: a USR1 to this shell (`--signal=B:USR1@...`, which",
+        "# Slurm may send up to ~60 s early, or `scancel --batch --signal=USR1`) must not kill it.",
+        "# It becomes a notice file that rank 0 polls at each step end (RHYMERL_PREEMPT_NOTICE),",
+        "# not a signal forwarded to tasks that may not have installed their handlers yet.",
+        "PREEMPT_NOTICE=",
+        "PREEMPT_PENDING=0",
+        "trap 'PREEMPT_PENDING=1; echo \"[rhymerl-slurm] batch shell got USR1; notice to the tasks: checkpoint"
+        " and requeue at the next step end\"; [[ -n \"$PREEMPT_NOTICE\" ]] && : > \"$PREEMPT_NOTICE\"' USR1",
         "",
         f"PYTHON=${{RHYMERL_PYTHON:-{q(python)}}}",
         f"LOG_ROOT={q(str(log_dir))}",
@@ -171,6 +179,11 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
         'mkdir -p "$JOB_LOG_DIR"',
         'export RHYMERL_JOB_LOG_DIR="$JOB_LOG_DIR"',
         'RESTART=${SLURM_RESTART_COUNT:-0}',
+        "# One notice file per start, so a requeued job does not see its predecessor's.",
+        'export RHYMERL_PREEMPT_NOTICE="$JOB_LOG_DIR/preempt-notice.restart-$RESTART"',
+        'rm -f "$RHYMERL_PREEMPT_NOTICE"',
+        'PREEMPT_NOTICE=$RHYMERL_PREEMPT_NOTICE',
+        'if (( PREEMPT_PENDING )); then : > "$PREEMPT_NOTICE"; fi',
         'echo "[rhymerl-slurm] job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST at $(date -Is)"',
         "",
         *_rendezvous_host_lines(slurm.nodes),
@@ -225,9 +238,6 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
         'srun --kill-on-bad-exit=1 --open-mode=append --output="$JOB_LOG_DIR/rank-%t.log" \\',
         f"    {task_cmd} &",
         "SRUN_PID=$!",
-        "# A USR1 sent to this batch shell (`--signal=B:USR1@...`, `scancel --batch --signal=USR1`)",
-        "# is forwarded to the tasks through srun, so both ways of asking for preemption work.",
-        "trap 'echo \"[rhymerl-slurm] batch shell got USR1; forwarding to the tasks\"; kill -USR1 $SRUN_PID' USR1",
         "while true; do",
         '    wait "$SRUN_PID"; rc=$?',
         '    kill -0 "$SRUN_PID" 2>/dev/null || break  # wait returns early when a trap ran',

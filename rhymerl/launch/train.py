@@ -95,6 +95,7 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
     """``preempt``: a rhymerl.launch.preemption.PreemptionHandler installed by the caller as early as
     possible (a signal before it exists kills the process); one is installed here otherwise."""
     from rhymerl.launch.preemption import PreemptionHandler, requeue_current_job
+    from rhymerl.launch.time_limit import watch_from_env
 
     preempt = preempt if preempt is not None else PreemptionHandler()
     import torch
@@ -144,11 +145,15 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
                   rank_state={"rng": capture_rng_state()}, backend_save=trainer.backend.save_checkpoint,
                   config=to_dict(cfg))
 
+    # Only rank 0 asks Slurm; the decision reaches every rank through the step-end all-reduce.
+    time_watch = watch_from_env(cfg.slurm.signal_lead_s) if rank == 0 and cfg.slurm.watch_time_limit else None
+    longest_step_s = 0.0
     exit_code = 0
     try:
         # run.max_steps bounds the steps; otherwise run.epochs bounds the data (DAPO's dynamic
         # sampling draws extra batches, so a step count would overrun the epochs).
         while (trainer.step < cfg.run.max_steps) if cfg.run.max_steps else (trainer.sampler.next_epoch < cfg.run.epochs):
+            t_step = time.monotonic()
             out = trainer.train_step()
             tracker.log(out.step, out.metrics)
             tracker.log_lengths(out.step, [len(s.token_ids) for s in out.samples])
@@ -156,11 +161,19 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
             tracker.flush()
             metrics_file.append(out.step, [_plain_metrics(out.metrics)])
             traces_file.append(out.step, _trace_rows(trainer, out))
-            stop = comm.any_true(preempt.requested)
-            requeue = stop and comm.any_true(preempt.requeue_requested)
             last = trainer.step == cfg.run.max_steps if cfg.run.max_steps else trainer.sampler.next_epoch >= cfg.run.epochs
+            longest_step_s = max(longest_step_s, time.monotonic() - t_step)
+            time_up = None if time_watch is None or last else time_watch.should_stop(longest_step_s)
+            if time_up:
+                log.warning("%s: will checkpoint and requeue now", time_up)
+            # A cancel (TERM without USR1) is never turned into a requeue by the time limit.
+            cancelled = preempt.requested and not preempt.requeue_requested
+            stop = comm.any_true(preempt.requested or bool(time_up))
+            requeue = stop and comm.any_true(preempt.requeue_requested or (bool(time_up) and not cancelled))
             if stop or ckpt.should_save(trainer.step) or last:
                 save()
+                # A step's cost, for the time-limit watch, includes its periodic checkpoint.
+                longest_step_s = max(longest_step_s, time.monotonic() - t_step)
             if stop and not last:
                 # W&B's files are complete before the job ends or is requeued.
                 tracker.finish()
@@ -183,11 +196,12 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
     return 0
 
 
-def run_from_config(argv: list[str]) -> int:
+def run_from_config(argv: list[str], preempt=None) -> int:
+    """``preempt``: the caller's PreemptionHandler (rank_main installs one before any import)."""
     from rhymerl.launch.preemption import PreemptionHandler
 
     # First: a preemption notice that arrives while the trainer starts must not kill it.
-    preempt = PreemptionHandler()
+    preempt = preempt if preempt is not None else PreemptionHandler()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         cfg = load_config(argv[0], argv[1:])

@@ -1,7 +1,10 @@
 """The real trainer under the local Slurm (.ci/slurm-up.sh), with periodic checkpoints on, for
 every way a stop reaches it: preemption by `scancel --signal=USR1` (to the tasks, 2 tasks TP=2),
-by `scancel --batch --signal=USR1` (to the batch shell, which forwards it), by a real time limit
-with `--signal=B:USR1@lead` and with `--signal=USR1@lead`; and a plain `scancel`, which cancels.
+by `scancel --batch --signal=USR1` (to the batch shell, whose trap leaves a notice file for
+rank 0) once a periodic checkpoint exists and as soon as the job runs (the shell and the tasks
+still starting), by a real time limit with `--signal=B:USR1@lead` and with `--signal=USR1@lead`
+(Slurm may send it before the tasks exist: the trainer's own time-limit watch then stops for
+the requeue); and a plain `scancel`, which cancels.
 
 The jobs run side by side (one shared fixture); each test checks one of them.
 """
@@ -35,18 +38,24 @@ class Case:
     # Shell command sent (with the job id appended) once the first periodic checkpoint exists.
     trigger: tuple[str, ...] = ()
     slurm: dict = field(default_factory=dict)
+    # When the trigger is sent: once the first periodic checkpoint exists, or as soon as the job
+    # is RUNNING (the batch shell and the tasks may still be starting).
+    trigger_when: str = "checkpoint"
 
 
 CASES = {
     "usr1-tasks": Case(tasks=2, steps=6, trigger=("scancel", "--signal=USR1")),
-    # Steps take about a second here and the batch shell's forwarding a second or two: enough
-    # steps remain after the trigger for the notice to land before the last one.
+    # Steps take about a second here: enough steps remain after the trigger for the notice to
+    # land before the last one.
     "usr1-batch": Case(tasks=1, steps=8, trigger=("scancel", "--batch", "--signal=USR1")),
-    # A real time limit: Slurm's warning arrives when <= lead seconds are left (checked about
-    # every 30 s), while the first segment starts or runs its first steps; every segment runs
-    # at least one step, so the job needs at most `steps` segments.
-    "limit-batch": Case(tasks=1, steps=2, slurm={"time": "00:02:00", "signal_lead_s": 100, "signal_batch": True}),
-    "limit-tasks": Case(tasks=1, steps=2, slurm={"time": "00:02:00", "signal_lead_s": 100}),
+    "usr1-batch-early": Case(tasks=1, steps=2, trigger=("scancel", "--batch", "--signal=USR1"),
+                             trigger_when="running"),
+    # A real time limit: Slurm sends its warning once <= lead + 30 s are left, at a check about
+    # every 30 s: here at any time from the job's start, the tasks possibly not yet running.
+    # The time-limit watch stops the first segment after its first step anyway (startup alone
+    # leaves < lead); the second segment runs the last step.
+    "limit-batch": Case(tasks=1, steps=2, slurm={"time": "00:02:00", "signal_lead_s": 110, "signal_batch": True}),
+    "limit-tasks": Case(tasks=1, steps=2, slurm={"time": "00:02:00", "signal_lead_s": 110}),
     "cancel": Case(tasks=1, steps=8, trigger=("scancel",)),
 }
 
@@ -95,8 +104,8 @@ def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Ran]:
                     r.job.refresh_logs()
                     del pending[name]
                 elif (r.case.trigger and r.triggered_at_step < 0 and r.job.state == "RUNNING"
-                      and _first_checkpoint(r.run_dir) >= 1):
-                    r.triggered_at_step = _first_checkpoint(r.run_dir)
+                      and (r.case.trigger_when == "running" or _first_checkpoint(r.run_dir) >= 1)):
+                    r.triggered_at_step = max(_first_checkpoint(r.run_dir), 0)
                     subprocess.run([*r.case.trigger, r.job.job_id], check=True, timeout=10)
             time.sleep(0.5)
     finally:
@@ -113,10 +122,10 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check_requeued_and_completed(r: Ran) -> None:
+def _check_requeued_and_completed(r: Ran, reasons: tuple[str, ...] = ("received SIGUSR1",)) -> None:
     log = r.job.log_text
     assert r.job.state == "COMPLETED" and r.job.restarts >= 1, log
-    assert "received SIGUSR1" in log and "job requeued" in log and "resumed from" in log, log
+    assert any(x in log for x in reasons) and "job requeued" in log and "resumed from" in log, log
     assert "Traceback" not in log and "CheckpointError" not in log, log
     # Every step exactly once across the segments, in order; W&B got each of them, in one run.
     n = r.case.steps
@@ -139,21 +148,37 @@ def test_scancel_usr1_to_tasks_preempts_two_rank_job(jobs):
     assert re.search(r"preempted after step \d+: checkpoint saved, job requeued", r.job.rank_logs[0])
 
 
-def test_scancel_batch_usr1_is_forwarded_and_preempts(jobs):
+BATCH_NOTICE = "batch shell got USR1; notice to the tasks"
+TIME_WATCH = ("received SIGUSR1", "will checkpoint and requeue now")
+
+
+def test_scancel_batch_usr1_reaches_the_trainer_and_preempts(jobs):
     r = jobs["usr1-batch"]
     _check_requeued_and_completed(r)
-    assert "batch shell got USR1; forwarding" in r.job.batch_text
+    assert BATCH_NOTICE in r.job.batch_text
+    assert "received SIGUSR1 through the batch shell" in r.job.rank_logs[0], r.job.log_text
+
+
+def test_batch_usr1_while_the_job_starts_preempts(jobs):
+    # The shell gets the signal while it prepares the rendezvous or srun starts the tasks: it
+    # must survive it, and the trainer must still act on it.
+    r = jobs["usr1-batch-early"]
+    _check_requeued_and_completed(r)
+    assert BATCH_NOTICE in r.job.batch_text
+    assert "preempted after step 1: checkpoint saved, job requeued" in r.job.rank_logs[0], r.job.log_text
 
 
 def test_time_limit_batch_signal_preempts(jobs):
     r = jobs["limit-batch"]
-    _check_requeued_and_completed(r)
-    assert "batch shell got USR1; forwarding" in r.job.batch_text
+    _check_requeued_and_completed(r, TIME_WATCH)
+    assert "time-limit watch: " in r.job.rank_logs[0], r.job.log_text
 
 
 def test_time_limit_task_signal_preempts(jobs):
     r = jobs["limit-tasks"]
-    _check_requeued_and_completed(r)
+    _check_requeued_and_completed(r, TIME_WATCH)
+    # Rank 0 read the job's time left from squeue at the start of each segment.
+    assert r.job.rank_logs[0].count("time-limit watch: ") >= 2, r.job.log_text
 
 
 def test_scancel_cancels_in_one_call_with_a_checkpoint(jobs):
