@@ -128,9 +128,15 @@ def requeue_current_job(timeout_s: float = 30.0) -> bool:
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return False
+    from rhymerl.child_signals import shielded_start
+
     # In an array job SLURM_JOB_ID is this element's own id, which is what scontrol wants.
+    # The requeue TERMs every process of the job step at once, scontrol included when it runs
+    # inside the step: it starts with the job's signals blocked, so it lives to report success.
     try:
-        res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout_s)
+        with shielded_start():
+            res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
+                                 timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"[rhymerl] scontrol requeue {job_id} failed: {e}", file=sys.stderr, flush=True)
         return False
