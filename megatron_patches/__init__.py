@@ -17,6 +17,10 @@ Patches (name: reason):
 - ``cuda_synchronize``: p2p pipeline communication calls ``torch.cuda.synchronize()`` (PP > 1).
 - ``checkpoint_rng``: activation recomputation saves and restores the CUDA generator's state; keep the CPU generator's and the tracker's.
 - ``tensor_cuda``: tied embeddings with PP > 1 move the shared weight with ``Tensor.cuda()`` before the all-reduce.
+- ``checkpoint_without_output_te``: selective recomputation (``recompute_modules=["layernorm"]``)
+  takes Transformer Engine's FP8 path whenever it is built without arguments
+  (``self.fp8 = fp8 is not None``) and raises NameError without Transformer Engine. Needed on any
+  host without it, so the Megatron backend also applies it on CUDA when it uses that path.
 """
 
 from __future__ import annotations
@@ -247,6 +251,27 @@ def _apply_grad_clip_cpu():
     return undo
 
 
+def _apply_checkpoint_without_output_te():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls = mrandom.CheckpointWithoutOutput
+    orig = cls.__init__
+
+    # Upstream's "fp8 is not None" is True for the default fp8=False; with Transformer Engine
+    # its FP8 state says "off" and nothing changes, without it the FP8 path cannot run at all.
+    def __init__(self, fp8=False):
+        orig(self, fp8)
+        if not mrandom.HAVE_TE:
+            self.fp8 = False
+
+    cls.__init__ = __init__
+
+    def undo():
+        cls.__init__ = orig
+
+    return undo
+
+
 PATCHES: dict[str, Patch] = {p.name: p for p in (
     Patch("cuda_current_device", "megatron allocates on torch.cuda.current_device(), which raises without CUDA",
           _apply_cuda_current_device),
@@ -268,6 +293,9 @@ PATCHES: dict[str, Patch] = {p.name: p for p in (
           "generator's and the tracker's", _apply_checkpoint_rng),
     Patch("tensor_cuda", "tied embeddings with PP > 1 move the shared weight with Tensor.cuda() before the all-reduce",
           _apply_tensor_cuda),
+    Patch("checkpoint_without_output_te", "selective norm recomputation takes Transformer Engine's FP8 path "
+          "whenever it is built without arguments, and raises without Transformer Engine",
+          _apply_checkpoint_without_output_te),
 )}
 
 

@@ -88,6 +88,10 @@ class ParallelConfig:
     # Megatron's full activation recomputation (one layer per checkpoint): only each layer's
     # input is kept for backward, at the cost of a second forward.
     recompute_activations: bool = False
+    # Megatron's selective recomputation of the RMSNorms: their outputs (two hidden-width
+    # tensors per layer) are dropped after use and recomputed in backward, which costs one
+    # norm per layer. Ignored under recompute_activations, which keeps less still.
+    recompute_norms: bool = False
     # Core attention of megatron's layers: "sdpa" runs torch's fused scaled_dot_product_attention
     # (flash attention: no [s, s] score matrix per layer kept for backward, the largest share of
     # a long-row training step's memory); "unfused" is megatron's own baddbmm + softmax.

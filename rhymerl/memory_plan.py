@@ -30,6 +30,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Transformer Models": s*b*h*(10 + 24/t), attention scores counted apart).
 ACT_BYTES_PER_TOKEN_HIDDEN = 10
 ACT_BYTES_PER_TOKEN_HIDDEN_TP = 24
+# Of those, the two norms' outputs (the inputs of the QKV and first MLP projections), which
+# parallel.recompute_norms drops and recomputes in backward.
+ACT_NORM_OUTPUT_BYTES_PER_TOKEN_HIDDEN = 4
 # The unfused attention of megatron's local layer spec keeps its scores (16-bit) and the fp32
 # softmax of them: bytes per score element.
 SCORE_BYTES = 6
@@ -107,6 +110,7 @@ def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> Me
     seq = min(r.max_model_len, tokens)
     h, layers = size.hidden_size, size.num_layers // pp
     full_layer = tokens * h * (ACT_BYTES_PER_TOKEN_HIDDEN + ACT_BYTES_PER_TOKEN_HIDDEN_TP / tp) * wb / 2
+    kept_layer = full_layer - (tokens * h * ACT_NORM_OUTPUT_BYTES_PER_TOKEN_HIDDEN * wb / 2 if p.recompute_norms else 0)
     # Fused attention (parallel.attention=sdpa) keeps one log-sum-exp per row and head instead.
     scores = tokens * seq * (size.num_heads / tp) * SCORE_BYTES if p.attention == "unfused" \
         else tokens * (size.num_heads / tp) * 4
@@ -114,7 +118,7 @@ def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> Me
         # Only each layer's input is kept; backward recomputes one layer at a time.
         activations = layers * tokens * h * wb + full_layer + scores
     else:
-        activations = layers * (full_layer + scores)
+        activations = layers * (kept_layer + scores)
     logits = tokens * size.vocab_size / tp * LOGIT_COPIES_BYTES
     training = {"weights": shard * wb, "grads": shard * 4, "optimizer": shard * opt_per_param / opt_share,
                 "activations": activations, "logits": logits}

@@ -7,8 +7,9 @@ holds them), runs one RL step and reports, in bytes per model parameter:
 
 - the process's peak resident set (``VmHWM``) and the peak of each phase (sampled every 5 ms);
 - the tensors each component holds, counted exactly: training weights, gradient buffers,
-  optimizer state, engine weights, engine KV cache (on CPU the engine frees it while training,
-  so it is not part of a training-phase peak);
+  optimizer state, engine weights, engine KV cache (on CPU the engine frees the KV cache while
+  training, and at sleep level 2 its weights' memory too, so they are not part of a
+  training-phase peak);
 - activations/logits: the training phase's peak above the resident set at its start;
 - other: the peak minus all of the above (Python, torch/vLLM runtime, tokenizer, data,
   allocator slack, oneDNN's packed copies of the engine weights).
@@ -176,17 +177,18 @@ def measure(cfg) -> dict:
         comp["activations_logits"] = max(train_peak - peaks.at_start.get("train", train_peak), 0)
         peak = _hwm()
         peak_phase = max(peaks.peaks, key=peaks.peaks.get)
-        kv_freed = out.metrics.get("colocation/engine_sleep_freed_gb", 0.0) * 1e9
-        # A KV cache the engine released for training is not part of a training-phase peak.
-        resident_kv = kv if not (peak_phase == "train" and kv_freed > 0) else 0
-        comp["other"] = peak - (sum(comp.values()) - kv + resident_kv)
+        freed = out.metrics.get("colocation/engine_sleep_freed_gb", 0.0) * 1e9
+        # What the engine released for training (KV cache; at level 2 its weights' memory too)
+        # is not part of a training-phase peak.
+        released = min(freed, ew + kv) if peak_phase == "train" else 0
+        comp["other"] = peak - (sum(comp.values()) - released)
         per = lambda b: round(b / n, 2)  # noqa: E731
         return {
             "config": cfg.run.name, "attention": cfg.parallel.attention,
             "recompute_activations": cfg.parallel.recompute_activations, "model_params": n, "peak_rss_bytes": peak, "peak_bytes_per_param": per(peak),
             "bytes_per_param": {k: per(v) for k, v in comp.items()},
             "phase_peak_bytes_per_param": {k: per(v) for k, v in peaks.peaks.items()}, "peak_phase": peak_phase,
-            "engine_kv_cache_freed_for_training_bytes_per_param": per(kv_freed),
+            "engine_freed_for_training_bytes_per_param": per(freed),
             "rss_after_build_bytes_per_param": per(built),
             "step_s": out.metrics.get("time/step_s"), "logprob_max_abs": out.metrics.get("train/logprob_max_abs"),
             "rollout_tokens": sum(len(s.token_ids) for s in out.samples),

@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--attention", choices=("sdpa", "unfused"), default="sdpa", help="parallel.attention")
     ap.add_argument("--recompute-activations", action="store_true", help="parallel.recompute_activations")
+    ap.add_argument("--recompute-norms", choices=["true", "false"], default=None,
+                    help="parallel.recompute_norms (default: the config default)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
 
     batch, lengths = trace_batch(args.trace, args.rows, args.prompt_tokens, args.step)
     pcfg = ParallelConfig(attention=args.attention, recompute_activations=args.recompute_activations)
+    if args.recompute_norms is not None:
+        pcfg.recompute_norms = args.recompute_norms == "true"
     groups = init_process_groups(pcfg, 1, 0)
     backend = build_backend(pcfg, AlgorithmConfig(lr=1e-7, micro_batch_tokens=args.micro_batch_tokens),
                             resolve_model(ModelConfig(path=args.model)), groups)
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"rows": len(lengths), "response_tokens": sum(lengths), "response_len_max": max(lengths),
            "prompt_tokens": args.prompt_tokens, "batch_width": int(batch.input_ids.shape[1]),
            "micro_batch_tokens": args.micro_batch_tokens, "attention": args.attention,
-           "recompute_activations": args.recompute_activations, "repeats": args.repeats,
+           "recompute_activations": args.recompute_activations, "recompute_norms": pcfg.recompute_norms,
+           "repeats": args.repeats,
            "seconds": {k: round(statistics.median(v), 3) for k, v in times.items()},
            "ratio_to_on_policy_cut": {k: round(statistics.median(v) / base, 3) for k, v in times.items()}}
     if args.json:

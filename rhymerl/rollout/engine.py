@@ -203,6 +203,43 @@ def _discard_cpu_kernels(worker: Any) -> int:
     return dropped
 
 
+def _release_params(worker: Any) -> int:
+    """Level-2 sleep on CPU: free the memory of the parameters that still hold some (the
+    embedding, which a tied output layer shares, and the norms) by shrinking their storages to
+    zero bytes, as the KV cache's. Returns the bytes released."""
+    runner = _runner_of(worker)
+    if getattr(runner, "_rhymerl_released_params", None):
+        return 0
+    released: dict[int, tuple[Any, int]] = {}
+    for p in runner.model.parameters():
+        storage = p.untyped_storage()
+        if p.is_floating_point() and storage.nbytes() and storage.data_ptr() not in released:
+            released[storage.data_ptr()] = (p, storage.nbytes())
+    for p, _ in released.values():
+        p.untyped_storage().resize_(0)
+    runner._rhymerl_released_params = list(released.values())
+    return sum(n for _, n in released.values())
+
+
+def _restore_params(worker: Any) -> int:
+    """Give the released parameters their memory back, filled with NaN: the reload overwrites
+    every one it is sent, and ``_unloaded_params`` finds any it was not."""
+    runner = _runner_of(worker)
+    released = getattr(runner, "_rhymerl_released_params", None) or []
+    for p, nbytes in released:
+        p.untyped_storage().resize_(nbytes)
+        p.data.fill_(float("nan"))
+    return sum(n for _, n in released)
+
+
+def _unloaded_params(worker: Any) -> int:
+    """Released parameters that the reload did not fill (still NaN); forgets the release."""
+    runner = _runner_of(worker)
+    released = getattr(runner, "_rhymerl_released_params", None) or []
+    runner._rhymerl_released_params = []
+    return sum(1 for p, _ in released if bool(p.data.isnan().any()))
+
+
 def _discarded_kernels(worker: Any) -> int:
     """Layers still without a kernel after a reload (a tensor the reload was not sent)."""
     return sum(1 for m in _runner_of(worker).model.modules() if getattr(m, "cpu_linear", None) is _discarded_kernel)
@@ -619,13 +656,16 @@ class RolloutEngine:
         of a fused layer corrupts it.
         """
         t0 = time.perf_counter()
+        if self._weights_discarded:
+            self.llm.collective_rpc(_restore_params)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.collective_rpc(_retie_embeddings)
         if self._weights_discarded:
             missing = sum(self.llm.collective_rpc(_discarded_kernels))
-            if missing:
-                raise RuntimeError(f"rollout: load_weights left {missing} layer(s) without weights after a "
-                                   "sleep(level=2); send every tensor of the model")
+            unloaded = sum(self.llm.collective_rpc(_unloaded_params))
+            if missing or unloaded:
+                raise RuntimeError(f"rollout: load_weights left {missing} layer(s) without a kernel and {unloaded} "
+                                   "parameter(s) unfilled after a sleep(level=2); send every tensor of the model")
             self._weights_discarded = False
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
@@ -639,16 +679,19 @@ class RolloutEngine:
         """Release device memory: level 1 offloads the weights to host memory, 2 discards them; both free the KV cache.
 
         On CPU, where vLLM has no sleep mode, the engine does it itself: the KV cache is freed
-        at both levels; level 2 also drops the CPU kernels' packed weights (``load_weights``
-        must then run before the next ``generate``), level 1 keeps them (they already live in
-        host memory). Returns the KV cache bytes freed on CPU, 0 where vLLM's sleep mode does
-        the work."""
+        at both levels; level 2 also drops the CPU kernels' packed weights and frees the
+        parameters' memory (``load_weights`` must then run before the next ``generate``),
+        level 1 keeps them (they already live in host memory). Returns the bytes freed on CPU,
+        0 where vLLM's sleep mode does the work."""
         if self.on_cpu:
+            freed = 0
             if level >= 2:
-                # Discarded: the CPU kernels' packed weights; the next load_weights repacks.
+                # Discarded: the CPU kernels' packed weights and the parameters' own memory; the
+                # next load_weights refills and repacks them.
                 self.llm.collective_rpc(_discard_cpu_kernels)
+                freed += int(sum(self.llm.collective_rpc(_release_params)))
                 self._weights_discarded = True
-            return int(sum(self.llm.collective_rpc(_release_kv_cache)))
+            return freed + int(sum(self.llm.collective_rpc(_release_kv_cache)))
         self.llm.sleep(level=level)
         return 0
 

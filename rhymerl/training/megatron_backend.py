@@ -65,13 +65,19 @@ class SafetensorsReader:
         return self._files[self._where[name]].get_tensor(name)
 
 
-def transformer_config(layout: ModelLayout, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False):
+def transformer_config(layout: ModelLayout, tp: int, pp: int, dtype: torch.dtype, recompute: bool = False,
+                       recompute_norms: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # Full recomputation, one layer per checkpoint: backward keeps only each layer's input
-    # (rhymerl.memory_plan counts activations the same way).
-    recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if recompute else {}
+    # (rhymerl.memory_plan counts activations the same way). Selective "layernorm"
+    # recomputation frees the norms' outputs once the next linear layer has read them.
+    if recompute:
+        recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute_norms:
+        recompute_kw = dict(recompute_granularity="selective", recompute_modules=["layernorm"])
+    else:
+        recompute_kw = {}
     return TransformerConfig(
         **recompute_kw,
         num_layers=layout.num_layers, hidden_size=layout.hidden_size, num_attention_heads=layout.num_heads,
@@ -141,6 +147,11 @@ class MegatronBackend:
         if groups.device.type == "cpu" and not megatron_patches.applied():
             raise RuntimeError("megatron-core on a CPU host needs megatron_patches.apply_all('cpu') first "
                                "(init_process_groups does it)")
+        if parallel_cfg.recompute_norms and train and groups.device.type != "cpu":
+            from megatron.core.tensor_parallel.random import HAVE_TE
+
+            if not HAVE_TE:  # CPU hosts got it with the rest
+                megatron_patches.apply("checkpoint_without_output_te")
         if dtype not in DTYPES:
             raise ValueError(f"model.dtype: {dtype!r} not allowed; allowed: {', '.join(DTYPES)}")
         if train and dtype != "float32" and groups.device.type != "cuda":
@@ -163,7 +174,8 @@ class MegatronBackend:
         torch.manual_seed(seed)
 
         self.config = transformer_config(self.layout, groups.tp_size, groups.pp_size, self.dtype,
-                                         recompute=parallel_cfg.recompute_activations and train)
+                                         recompute=parallel_cfg.recompute_activations and train,
+                                         recompute_norms=parallel_cfg.recompute_norms and train)
         model = GPTModel(
             config=self.config, transformer_layer_spec=layer_spec(parallel_cfg.attention),
             vocab_size=self.layout.vocab_size, max_sequence_length=self.layout.max_position_embeddings,

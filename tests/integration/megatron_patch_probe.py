@@ -42,21 +42,16 @@ def ops(model_dir: Path, tp: int, pp: int):
         ids = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(0))
         return b.compute_logprobs(ids, torch.ones(2, 8))
 
-    def train():
-        b = MegatronBackend(pc, AlgorithmConfig(lr=1e-2), model_dir, groups())
-        ids = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(0))
-        mask = torch.ones(2, 8)
-        return b.train_step(PolicyBatch(ids, mask, torch.tensor([1.0, -1.0]), torch.full((2, 8), -5.0)))
-
-    def train_recompute():
-        b = MegatronBackend(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, recompute_activations=True),
+    def train(**parallel_kw):
+        b = MegatronBackend(ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp, **parallel_kw),
                             AlgorithmConfig(lr=1e-2), model_dir, groups())
         ids = torch.randint(3, 300, (2, 8), generator=torch.Generator().manual_seed(0))
         mask = torch.ones(2, 8)
         return b.train_step(PolicyBatch(ids, mask, torch.tensor([1.0, -1.0]), torch.full((2, 8), -5.0)))
 
     return {"build": build, "forward": forward, "forward_unfused": forward_unfused, "train": train,
-            "train_recompute": train_recompute}
+            "train_recompute": lambda: train(recompute_activations=True),
+            "train_recompute_norms": lambda: train(recompute_norms=True)}
 
 
 def main() -> None:

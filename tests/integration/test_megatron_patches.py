@@ -23,6 +23,7 @@ SINGLE = {
     "causal_mask_device": "forward_unfused",
     "grad_clip_cpu": "train",
     "checkpoint_rng": "train_recompute",
+    "checkpoint_without_output_te": "train_recompute_norms",
 }
 # Pipeline-only call sites: 2 ranks at PP=2 with tied embeddings.
 PIPELINE = {"cuda_synchronize": "forward", "tensor_cuda": "build"}

@@ -310,6 +310,16 @@ def _kv_bytes(engine) -> int:
         lambda w: sum(t.untyped_storage().nbytes() for t in _kv_cache_tensors(_runner_of(w)))))
 
 
+def _param_bytes(engine) -> int:
+    from rhymerl.rollout.engine import _runner_of
+
+    def count(w):
+        seen = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in _runner_of(w).model.parameters() if p.is_floating_point()}
+        return sum(seen.values())
+    return sum(engine.llm.collective_rpc(count))
+
+
 def test_sleep_frees_the_kv_cache_on_cpu_and_wake_restores_it(model_dir, none_engine):
     from safetensors.torch import load_file
 
@@ -324,15 +334,23 @@ def test_sleep_frees_the_kv_cache_on_cpu_and_wake_restores_it(model_dir, none_en
     assert none_engine.wake_up(["kv_cache"]) == kv
     assert _kv_bytes(none_engine) == kv
     assert [r.token_ids for r in none_engine.generate(PROMPTS, 2, _greedy(12))] == before
-    # Level 2 discards the packed weights too: generating before a reload is refused by name,
-    # and a reload (what the trainer does after every update) brings them back.
-    assert none_engine.sleep(2) == kv
+    # Level 2 discards the packed weights and frees the parameters' memory too: generating
+    # before a reload is refused by name, a reload that misses a tensor is refused, and a full
+    # reload (what the trainer does after every update) brings them back.
+    params = _param_bytes(none_engine)
+    assert params > 0
+    assert none_engine.sleep(2) == kv + params
+    assert _param_bytes(none_engine) == 0
     none_engine.wake_up(None)
     with pytest.raises(RuntimeError, match="weights were discarded"):
         none_engine.generate(PROMPTS, 1, _greedy(4))
     none_engine.sleep(2)
     none_engine.wake_up(["weights"])
-    none_engine.load_weights(load_file(str(model_dir / "model.safetensors")).items())
+    weights = load_file(str(model_dir / "model.safetensors"))
+    with pytest.raises(RuntimeError, match="parameter\\(s\\) unfilled"):
+        none_engine.load_weights((k, v) for k, v in weights.items() if k != "model.norm.weight")
+    none_engine.load_weights(weights.items())
+    assert _param_bytes(none_engine) == params
     none_engine.wake_up(["kv_cache"])
     assert [r.token_ids for r in none_engine.generate(PROMPTS, 2, _greedy(12))] == before
 
