@@ -16,7 +16,8 @@ host; the threads are handed back to training before it runs and to the engine b
 
 ``rollout.sleep_level=0`` keeps the engine resident (no sleep, no wake). vLLM's sleep mode is
 GPU-only: on CPU the engine's sleep frees its KV cache itself and, at level 2, drops its CPU
-kernels' packed weights (the reshard packs the fresh ones).
+kernels' packed weights and frees its parameters' memory (the reshard loads and packs the
+fresh ones).
 Where the backend cannot release memory (DeepSpeed's backend has no offload here), the calls
 still happen and are counted and timed: the step's metrics say what ran.
 """
@@ -63,8 +64,8 @@ class Colocation:
             # Device bytes this call released (negative: took).
             self._m[f"colocation/{name}_freed_gb"] = (self._free() - before) / 1e9
         elif isinstance(out, int) and not isinstance(out, bool) and out:
-            # No device figure (CPU hosts): the engine's own count of the KV cache bytes its
-            # sleep freed (wake: took back).
+            # No device figure (CPU hosts): the engine's own count of the bytes its sleep freed
+            # (KV cache; at level 2 its parameters too) or its wake took back.
             sign = 1 if name == "engine_sleep" else -1
             self._m[f"colocation/{name}_freed_gb"] = sign * out / 1e9
         log.debug("colocation: %s in %.3f s", name, dt)

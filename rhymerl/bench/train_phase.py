@@ -12,8 +12,8 @@ backend (TP=PP=DP=1, this process). Variants, each timed as the trainer's traini
 - ``on_policy_cut``: old log-probs from the loss's own forward (``updates_per_step: 1``).
 
 Prints seconds per variant and each one's ratio to ``on_policy_cut``. ``--attention`` and
-``--recompute-activations`` choose the backend's attention kernel and recomputation (run once
-per choice to compare them).
+``--recompute-activations`` / ``--recompute-norms`` choose the backend's attention kernel and
+recomputation (run once per choice to compare them).
 """
 
 from __future__ import annotations

@@ -144,41 +144,58 @@ def _install_meter(worker: Any) -> Any:
     return _DrafterMeter(drafter)
 
 
+def _distinct_storages(tensors: Iterable[Any]) -> list:
+    """One tensor per distinct non-empty storage among ``tensors``."""
+    out: dict[int, Any] = {}
+    for t in tensors:
+        if t.untyped_storage().nbytes():
+            out.setdefault(t.untyped_storage().data_ptr(), t)
+    return list(out.values())
+
+
 def _kv_cache_tensors(runner: Any) -> list:
     """One tensor per distinct KV cache storage of a model runner."""
     import torch
 
-    out: dict[int, Any] = {}
-    for c in getattr(runner, "kv_caches", None) or []:
-        for t in (c if isinstance(c, (list, tuple)) else [c]):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes():
-                out.setdefault(t.untyped_storage().data_ptr(), t)
-    return list(out.values())
+    return _distinct_storages(t for c in getattr(runner, "kv_caches", None) or []
+                              for t in (c if isinstance(c, (list, tuple)) else [c]) if isinstance(t, torch.Tensor))
+
+
+def _shrink_storages(runner: Any, attr: str, tensors: list) -> int:
+    """Free the memory of ``tensors``' storages by shrinking them to zero bytes, remembered on the
+    runner under ``attr`` for ``_regrow_storages``. The tensors, and every view of them that the
+    model holds, stay in place. Returns the bytes released (0 when already released)."""
+    if getattr(runner, attr, None):
+        return 0
+    released = [(t, t.untyped_storage().nbytes()) for t in tensors]
+    for t, _ in released:
+        t.untyped_storage().resize_(0)
+    setattr(runner, attr, released)
+    return sum(n for _, n in released)
+
+
+def _regrow_storages(runner: Any, attr: str) -> list:
+    """Give the storages ``_shrink_storages`` released their size back (contents undefined);
+    returns the (tensor, bytes) pairs."""
+    released = getattr(runner, attr, None) or []
+    for t, nbytes in released:
+        t.untyped_storage().resize_(nbytes)
+    return released
 
 
 def _release_kv_cache(worker: Any) -> int:
-    """vLLM's CPU worker has no sleep mode: free the KV cache's memory by shrinking its storages
-    to zero bytes. The tensors, and every view the attention layers hold, stay in place and
-    come back with ``_restore_kv_cache``. Returns the bytes released."""
+    """vLLM's CPU worker has no sleep mode: free the KV cache's memory; it comes back with
+    ``_restore_kv_cache``. Returns the bytes released."""
     runner = _runner_of(worker)
-    if getattr(runner, "_rhymerl_released_kv", None):
-        return 0
-    released = []
-    for t in _kv_cache_tensors(runner):
-        storage = t.untyped_storage()
-        released.append((t, storage.nbytes()))
-        storage.resize_(0)
-    runner._rhymerl_released_kv = released
-    return sum(n for _, n in released)
+    return _shrink_storages(runner, "_rhymerl_released_kv", _kv_cache_tensors(runner))
 
 
 def _restore_kv_cache(worker: Any) -> int:
     """Re-allocate the storages ``_release_kv_cache`` freed, zeroed (their old contents were
     computed with the previous weights and the prefix cache is reset with every reload)."""
     runner = _runner_of(worker)
-    released = getattr(runner, "_rhymerl_released_kv", None) or []
-    for t, nbytes in released:
-        t.untyped_storage().resize_(nbytes)
+    released = _regrow_storages(runner, "_rhymerl_released_kv")
+    for t, _ in released:
         t.untyped_storage().fill_(0)
     runner._rhymerl_released_kv = []
     return sum(n for _, n in released)
@@ -205,29 +222,18 @@ def _discard_cpu_kernels(worker: Any) -> int:
 
 def _release_params(worker: Any) -> int:
     """Level-2 sleep on CPU: free the memory of the parameters that still hold some (the
-    embedding, which a tied output layer shares, and the norms) by shrinking their storages to
-    zero bytes, as the KV cache's. Returns the bytes released."""
+    embedding, which a tied output layer shares, and the norms), as the KV cache's. Returns
+    the bytes released."""
     runner = _runner_of(worker)
-    if getattr(runner, "_rhymerl_released_params", None):
-        return 0
-    released: dict[int, tuple[Any, int]] = {}
-    for p in runner.model.parameters():
-        storage = p.untyped_storage()
-        if p.is_floating_point() and storage.nbytes() and storage.data_ptr() not in released:
-            released[storage.data_ptr()] = (p, storage.nbytes())
-    for p, _ in released.values():
-        p.untyped_storage().resize_(0)
-    runner._rhymerl_released_params = list(released.values())
-    return sum(n for _, n in released.values())
+    floats = (p for p in runner.model.parameters() if p.is_floating_point())
+    return _shrink_storages(runner, "_rhymerl_released_params", _distinct_storages(floats))
 
 
 def _restore_params(worker: Any) -> int:
     """Give the released parameters their memory back, filled with NaN: the reload overwrites
     every one it is sent, and ``_unloaded_params`` finds any it was not."""
-    runner = _runner_of(worker)
-    released = getattr(runner, "_rhymerl_released_params", None) or []
-    for p, nbytes in released:
-        p.untyped_storage().resize_(nbytes)
+    released = _regrow_storages(_runner_of(worker), "_rhymerl_released_params")
+    for p, _ in released:
         p.data.fill_(float("nan"))
     return sum(n for _, n in released)
 
