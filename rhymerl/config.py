@@ -325,7 +325,7 @@ class SlurmConfig:
     time: str = "01:00:00"
     signal_lead_s: int = 120
     # The warning signal goes to the tasks (--signal=USR1@lead) or, when true, to the batch
-    # shell (--signal=B:USR1@lead), which forwards it to the tasks through srun.
+    # shell (--signal=B:USR1@lead), whose trap leaves a notice file that rank 0 polls.
     signal_batch: bool = False
     # Rank 0 also watches the time left itself (squeue) and stops for a requeue once one more
     # step would end with less than signal_lead_s left: Slurm's warning can come before the
@@ -612,7 +612,10 @@ def ignored_keys(cfg: RunConfig, given: set[str]) -> list[str]:
     when(not a.dynamic_sampling, "algo.max_refill_rounds", "algo.dynamic_sampling is false")
     when(a.overlong_buffer == 0, "algo.overlong_penalty", "algo.overlong_buffer is 0")
     when(p.backend == "megatron", "parallel.zero_stage", "parallel.backend is 'megatron'")
-    when(p.backend == "deepspeed", "parallel.distributed_optimizer", "parallel.backend is 'deepspeed'")
+    when(p.backend == "deepspeed", ["parallel.distributed_optimizer", "parallel.recompute_activations",
+                                    "parallel.recompute_norms", "parallel.attention"], "parallel.backend is 'deepspeed'")
+    when(p.backend == "megatron" and p.recompute_activations, "parallel.recompute_norms",
+         "parallel.recompute_activations is true")
     when(cfg.tracking.wandb == "disabled", ["tracking.project", "tracking.entity"], "tracking.wandb is 'disabled'")
     return [f"{k}: set but unused because {why}" for k, why in unused
             if k in given or any(g.startswith(k + ".") for g in given)]

@@ -133,5 +133,14 @@ def test_keys_the_chosen_path_does_not_use_are_reported(caplog):
     assert "histospec.fixed_len" not in text and "rollout.n" not in text
     caplog.clear()
     with caplog.at_level("WARNING", logger="rhymerl.config"):
+        load_config(None, ["parallel.backend=deepspeed", "parallel.recompute_norms=true", "parallel.attention=unfused"])
+        load_config(None, ["parallel.recompute_activations=true", "parallel.recompute_norms=true"])
+    text = caplog.text
+    for key, why in (("parallel.recompute_norms", "parallel.backend is 'deepspeed'"),
+                     ("parallel.attention", "parallel.backend is 'deepspeed'"),
+                     ("parallel.recompute_norms", "parallel.recompute_activations is true")):
+        assert f"{key}: set but unused because {why}" in text, (key, text)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="rhymerl.config"):
         load_config(REPO / "configs" / "tiny-cpu.yaml")
     assert "unused" not in caplog.text, caplog.text
