@@ -38,8 +38,10 @@ class Case:
     # Shell command sent (with the job id appended) once the first periodic checkpoint exists.
     trigger: tuple[str, ...] = ()
     slurm: dict = field(default_factory=dict)
-    # When the trigger is sent: once the first periodic checkpoint exists, or as soon as the job
-    # is RUNNING (the batch shell and the tasks may still be starting).
+    # When the trigger is sent: once the first periodic checkpoint exists, or as soon as the
+    # batch shell has printed its start banner (it still prepares the rendezvous and starts the
+    # tasks). Not at RUNNING: slurmctld says RUNNING before slurmstepd has started the batch
+    # shell, and a signal sent then reaches no process and is lost.
     trigger_when: str = "checkpoint"
 
 
@@ -49,7 +51,7 @@ CASES = {
     # land before the last one.
     "usr1-batch": Case(tasks=1, steps=8, trigger=("scancel", "--batch", "--signal=USR1")),
     "usr1-batch-early": Case(tasks=1, steps=2, trigger=("scancel", "--batch", "--signal=USR1"),
-                             trigger_when="running"),
+                             trigger_when="started"),
     # A real time limit: Slurm sends its warning once <= lead + 30 s are left, at a check about
     # every 30 s: here at any time from the job's start, the tasks possibly not yet running.
     # The time-limit watch stops the first segment after its first step anyway (startup alone
@@ -83,6 +85,10 @@ def _submit(tmp: Path, name: str, case: Case) -> Ran:
     return Ran(start_job(text, log_root, name, env={"PYTHONUNBUFFERED": "1"}), run_dir, case)
 
 
+def _batch_started(r: Ran) -> bool:
+    return f"job {r.job.job_id} restart 0 on" in r.job.batch_text
+
+
 def _first_checkpoint(run_dir: Path) -> int:
     """Step of the newest complete checkpoint, -1 if none."""
     steps = [int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step-*")
@@ -104,7 +110,7 @@ def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Ran]:
                     r.job.refresh_logs()
                     del pending[name]
                 elif (r.case.trigger and r.triggered_at_step < 0 and r.job.state == "RUNNING"
-                      and (r.case.trigger_when == "running" or _first_checkpoint(r.run_dir) >= 1)):
+                      and (_batch_started(r) if r.case.trigger_when == "started" else _first_checkpoint(r.run_dir) >= 1)):
                     r.triggered_at_step = max(_first_checkpoint(r.run_dir), 0)
                     subprocess.run([*r.case.trigger, r.job.job_id], check=True, timeout=10)
             time.sleep(0.5)
