@@ -185,6 +185,8 @@ class MegatronBackend:
         ).to(groups.device)
         # load_weights=False leaves the weights uninitialised for a checkpoint load to fill.
         self._load_hf_weights(model, SafetensorsReader(self.model_path) if load_weights else None)
+        if groups.is_last_stage and self.temperature != 1.0:
+            model.output_layer.register_forward_pre_hook(self._scale_output_input, with_kwargs=True)
         self.module = model
         self.model = model
         self.optimizer = None
@@ -237,23 +239,24 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ forward
 
-    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] log p(x_t | x_<t) from vocab-parallel logits [B, T, V/tp] (0 at t = 0)."""
-        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    def _scale_output_input(self, module, args, kwargs):
+        # logits / T == (hidden / T) @ W: dividing the [tokens, hidden] input spares a pass over
+        # the [tokens, vocabulary] logits, which megatron's loss path never hands back to us.
+        return (args[0] / self.temperature,) + tuple(args[1:]), kwargs
 
-        # The logits are the largest tensors of a training step (vocabulary x tokens): no copy
-        # of them is made here. The temperature divides them in place and megatron's cross
-        # entropy turns them, in place, into the softmax its backward needs. Every position
-        # is scored (the last one against a dummy target, then dropped) so the buffer needs
-        # no slicing, which would have to be copied.
-        if self.temperature != 1.0:
-            logits = logits.div_(self.temperature)
-        target = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
-        # Megatron's cross entropy is -log p over any leading dimensions.
-        lp = -vocab_parallel_cross_entropy(logits, target)[:, :-1]
+    @staticmethod
+    def _next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+        # Every position is scored (the last one against a dummy target, dropped afterwards).
+        return torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+
+    @staticmethod
+    def _token_logprobs(nll: torch.Tensor) -> torch.Tensor:
+        """[B, T] log p(x_t | x_<t) (0 at t = 0) from megatron's per-position cross entropy
+        against ``_next_token_targets``."""
+        lp = -nll[:, :-1]
         return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
-    def _run(self, micro: list[dict], loss_func: Callable, forward_only: bool) -> list:
+    def _run(self, micro: list[dict], loss_func: Callable, forward_only: bool, with_labels: bool = True) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         g = self.groups
@@ -273,7 +276,12 @@ class MegatronBackend:
             ids = mb["input_ids"].to(g.device)
             # Without pipeline stages each micro-batch may be cut to its own longest row.
             pos = torch.arange(ids.shape[1], device=g.device).unsqueeze(0).expand(ids.shape[0], -1)
-            out = model(ids, pos, None)
+            # With labels, megatron's output layer hands its [s, b, V] logits straight to the
+            # vocab-parallel cross entropy, which turns them into its softmax in place: one
+            # logits buffer per micro-batch, the largest tensor of a step. Without labels it
+            # returns a [b, s, V] copy, and its backward a contiguous copy of the gradient.
+            labels = self._next_token_targets(ids) if with_labels else None
+            out = model(ids, pos, None, labels=labels)
             return out, partial(loss_func, mb)
 
         out = get_forward_backward_func()(
@@ -296,8 +304,8 @@ class MegatronBackend:
         plan, perm, micro = split_policy_rows({"input_ids": input_ids.long()}, response_mask, g.dp_size, g.dp_rank,
                                               self.algo_cfg.micro_batch_tokens, fixed_shape=g.pp_size > 1)
 
-        def loss_func(mb, logits):
-            lp = self._token_logprobs(logits, mb["input_ids"].to(logits.device))
+        def loss_func(mb, nll):
+            lp = self._token_logprobs(nll)
             return lp.sum() * 0.0, {"logprobs": pad_columns(lp.detach().float().cpu(), T)}
 
         self.model.eval()
@@ -321,8 +329,8 @@ class MegatronBackend:
         return torch.cat([p.cpu()[: plan.rows_per_rank] for p in parts], dim=0)
 
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [B, T, V] on every rank. For parity tests and debugging only:
-        it gathers the vocabulary, which the training path never does."""
+        """Full-vocabulary logits / temperature [B, T, V] on every rank. For parity tests and
+        debugging only: it gathers the vocabulary, which the training path never does."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         g = self.groups
@@ -336,7 +344,7 @@ class MegatronBackend:
 
         self.model.eval()
         with torch.no_grad():
-            out = self._run(micro, loss_func, forward_only=True)
+            out = self._run(micro, loss_func, forward_only=True, with_labels=False)
         self.model.train()
         local = torch.zeros(plan.rows_per_micro * plan.num_micro, T, self.layout.vocab_size, dtype=torch.float32,
                             device=g.device)
@@ -366,8 +374,8 @@ class MegatronBackend:
         # over DP ranks; the policy loss is already this shard's share of the global batch loss.
         scale = plan.num_micro * g.dp_size
 
-        def loss_func(mb, logits):
-            lp = self._token_logprobs(logits, mb["input_ids"].to(logits.device))
+        def loss_func(mb, nll):
+            lp = self._token_logprobs(nll)
             loss, metrics = micro_batch_loss(loss_fn, lp, mb, self.algo_cfg, num_tokens, float(B))
             metrics["loss_share"] = float(loss.detach())
             return loss * scale, metrics

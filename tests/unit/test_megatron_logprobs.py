@@ -1,9 +1,9 @@
-"""The Megatron backend's token log-probs, computed in place on the logits (no copy of the
-vocabulary-sized buffer), equal log_softmax(logits / T) in value and in gradient."""
+"""The Megatron backend's token log-probs (megatron's own labels path: the vocab-parallel cross
+entropy works in place on the output layer's logits, the temperature divides the output
+layer's input) equal log_softmax(logits / T) of the same weights in HF transformers, in value
+and in the gradient of the tied embedding/output weight."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,32 +20,80 @@ def one_rank(one_rank_gloo):
 
     fresh = not megatron_patches.applied()
     try:
-        init_process_groups(ParallelConfig(), 1, 0)
-        yield
+        yield lambda: init_process_groups(ParallelConfig(), 1, 0)
     finally:
         destroy_process_groups()
         if fresh:
             megatron_patches.revert_all()
 
 
+def _batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (3, 12), generator=g)
+    mask = torch.zeros(3, 12)
+    mask[:, 4:] = 1
+    mask[2, 9:] = 0
+    weights = torch.tensor([1.0, -0.5, 0.25])
+    return ids, mask, weights
+
+
+def _hf_reference(model_dir, ids, mask, weights, temperature):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    logits = hf(input_ids=ids).logits / temperature
+    lp = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    lp = torch.cat([torch.zeros(ids.shape[0], 1), lp], dim=1)
+    (lp * mask * weights[:, None]).sum().backward()
+    return lp.detach() * mask, {"output": hf.get_output_embeddings().weight.grad,
+                                "embedding": hf.get_input_embeddings().weight.grad, "norm": hf.model.norm.weight.grad}
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_in_place_logprobs_match_log_softmax_and_its_gradient(one_rank, temperature):
+def test_logprobs_and_gradient_match_hf_log_softmax(one_rank, tiny_model_dir, temperature):
+    from rhymerl.config import AlgorithmConfig, ParallelConfig
+    from rhymerl.training.base import PolicyBatch
     from rhymerl.training.megatron_backend import MegatronBackend
 
-    torch.manual_seed(0)
-    B, T, V = 3, 7, 50
-    base = torch.randn(B, T, V, requires_grad=True)
-    ids = torch.randint(0, V, (B, T))
-    weights = torch.randn(B, T)
+    ids, mask, weights = _batch()
+    ref_lp, ref_grads = _hf_reference(tiny_model_dir, ids, mask, weights, temperature)
 
-    ref = torch.log_softmax(base / temperature, dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-    ref = torch.cat([torch.zeros(B, 1), ref], dim=1)
-    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), base)
+    def weighted_logprob_sum(lp, old, adv, m, cfg, ref, num_tokens, num_sequences):
+        return (lp * m * adv[:, None]).sum(), {}
 
-    logits = base * 1.0  # a non-leaf, as the model's output is: the backend writes into it
-    lp = MegatronBackend._token_logprobs(SimpleNamespace(temperature=temperature), logits, ids)
-    (grad,) = torch.autograd.grad((lp * weights).sum(), base)
+    # One micro-batch (megatron's loss scaling cancels) and no clipping, which would rescale
+    # main_grad in place: main_grad is then this loss's gradient.
+    algo = AlgorithmConfig(lr=1e-2, micro_batch_tokens=4096, grad_clip=0.0)
+    b = MegatronBackend(ParallelConfig(), algo, tiny_model_dir,
+                        one_rank(), temperature=temperature, loss_fn=weighted_logprob_sum)
+    lp = b.compute_logprobs(ids, mask)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-4, atol=1e-5)
+    assert (ref_lp != 0).sum() == mask.sum()
 
-    assert lp.shape == (B, T) and torch.all(lp[:, 0] == 0)
-    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-6)
+    b.train_step(PolicyBatch(ids, mask, weights))
+    grads = {n: p.main_grad for n, p in b.model.named_parameters()}
+    # The output weight is the embedding when tied (SmolLM2), a weight of its own otherwise.
+    megatron_names = {"embedding": "embedding.word_embeddings.weight", "norm": "decoder.final_layernorm.weight",
+                      "output": "output_layer.weight" if not b.layout.tied else "embedding.word_embeddings.weight"}
+    for key, suffix in megatron_names.items():
+        got = next(g for n, g in grads.items() if n.endswith(suffix))
+        want = ref_grads[key]
+        assert want.abs().sum() > 0, key
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5, msg=key)
+
+def test_debug_logits_are_at_the_sampling_temperature(one_rank, tiny_model_dir):
+    from rhymerl.config import AlgorithmConfig, ParallelConfig
+    from rhymerl.training.megatron_backend import MegatronBackend
+
+    ids, mask, _ = _batch()
+    b = MegatronBackend(ParallelConfig(), AlgorithmConfig(micro_batch_tokens=4096), tiny_model_dir, one_rank(),
+                        temperature=0.5, train=False)
+    logits = b.forward_logits(ids)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, hf(input_ids=ids).logits / 0.5, rtol=1e-4, atol=1e-4)
+    lp = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    got = b.compute_logprobs(ids, mask)
+    torch.testing.assert_close(got[:, 1:], lp * mask[:, 1:], rtol=1e-4, atol=1e-5)
