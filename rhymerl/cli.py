@@ -17,7 +17,7 @@ BENCHES = {
     "step": ("rhymerl.bench.step", "main", "where an engine step's time goes; the zero-draft tax of speculation"),
     "reshard": ("rhymerl.bench.reshard", "main", "Megatron -> vLLM weight transfer: GB/s and peak memory per bucket size"),
     "e2e": ("rhymerl.bench.e2e", "main", "RL step time with HistoSpec+HistoPipe on vs off, vs ngram and suffix"),
-    "memory": ("rhymerl.bench.memory", "main", "peak resident memory of one RL step, bytes per parameter by component"),
+    "memory": ("rhymerl.bench.memory", "main", "peak resident memory of RL steps (steady state), bytes per parameter by component"),
 }
 SIMULATIONS = {
     "histopipe": ("rhymerl.histopipe.simulator", "main", "cluster simulator: rollout schedulers on N GPUs"),

@@ -1,16 +1,21 @@
-"""Peak resident memory of one colocated RL step, per model parameter and by component.
+"""Peak resident memory of colocated RL steps, per model parameter and by component.
 
-`python -m rhymerl bench memory [--config configs/tiny-cpu.yaml] [--json] [key=value ...]`
+`python -m rhymerl bench memory [--config configs/tiny-cpu.yaml] [--steps 2] [--json] [key=value ...]`
 
 Builds the run's trainer (training backend + rollout engine in this process, as every rank
-holds them), runs one RL step and reports, in bytes per model parameter:
+holds them), runs ``--steps`` RL steps (default 2) and reports, in bytes per model parameter:
 
-- the process's peak resident set (``VmHWM``) and the peak of each phase (sampled every 5 ms);
+- the process's peak resident set over the run (``VmHWM``), each step's peak and the peak of
+  each phase of the last step (sampled every 5 ms). The first step understates what a run
+  needs: the optimizer creates Adam's moments (8 bytes per parameter) only at its end, after
+  the activations are gone; from the second step on they are resident throughout;
 - the tensors each component holds, counted exactly: training weights, gradient buffers,
   optimizer state, engine weights, engine KV cache (on CPU the engine frees the KV cache while
   training, and at sleep level 2 its weights' memory too, so they are not part of a
   training-phase peak);
-- activations/logits: the training phase's peak above the resident set at its start;
+- activations/logits: the last step's training phase peak above the resident set at its start
+  (what the allocator holds for them, which is more than the live tensors: glibc keeps freed
+  blocks of up to 32 MB in its heap for reuse);
 - other: the peak minus all of the above (Python, torch/vLLM runtime, tokenizer, data,
   allocator slack, oneDNN's packed copies of the engine weights).
 
@@ -60,6 +65,9 @@ class PhasePeaks:
     def _note(self) -> None:
         r = _rss()
         self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), r)
+
+    def reset(self) -> None:
+        self.peaks, self.at_start = {}, {}
 
     def enter(self, phase: str) -> None:
         self._note()
@@ -141,13 +149,15 @@ def write_qwen25_05b_shape(folder: Path) -> Path:
     return folder
 
 
-def measure(cfg) -> dict:
+def measure(cfg, steps: int = 2) -> dict:
     from rhymerl.collectives import WorldComm
     from rhymerl.memory_plan import model_params
     from rhymerl.resharding.layout import ModelLayout
     from rhymerl.trainer import Trainer
     from rhymerl.training.process_groups import init_process_groups
 
+    if steps < 1:
+        raise ValueError(f"--steps: {steps} must be >= 1")
     peaks = PhasePeaks()
     groups = init_process_groups(cfg.parallel, 1, 0)
     peaks.enter("build")
@@ -169,13 +179,21 @@ def measure(cfg) -> dict:
                 finally:
                     peaks.enter("between")
             setattr(trainer, name, marked)
-        out = trainer.train_step()
+        step_peaks, tokens = [], []
+        for i in range(steps):
+            if i:
+                peaks.reset()
+                peaks.enter("between")
+            out = trainer.train_step()
+            peaks.enter("between")
+            step_peaks.append(max(peaks.peaks.values()))
+            tokens.append(sum(len(s.token_ids) for s in out.samples))
         peaks.stop()
         comp = _training_bytes(trainer.backend)
         comp.update({"engine_weights": ew, "engine_kv_cache": kv})
         train_peak = peaks.peaks.get("train", 0)
         comp["activations_logits"] = max(train_peak - peaks.at_start.get("train", train_peak), 0)
-        peak = _hwm()
+        peak = step_peaks[-1]
         peak_phase = max(peaks.peaks, key=peaks.peaks.get)
         freed = out.metrics.get("colocation/engine_sleep_freed_gb", 0.0) * 1e9
         # What the engine released for training (KV cache; at level 2 its weights' memory too)
@@ -185,13 +203,16 @@ def measure(cfg) -> dict:
         per = lambda b: round(b / n, 2)  # noqa: E731
         return {
             "config": cfg.run.name, "attention": cfg.parallel.attention,
-            "recompute_activations": cfg.parallel.recompute_activations, "model_params": n, "peak_rss_bytes": peak, "peak_bytes_per_param": per(peak),
+            "recompute_activations": cfg.parallel.recompute_activations,
+            "recompute_norms": cfg.parallel.recompute_norms, "micro_batch_tokens": cfg.algo.micro_batch_tokens,
+            "model_params": n, "steps": steps, "peak_rss_bytes": _hwm(), "peak_bytes_per_param": per(_hwm()),
+            "step_peak_bytes_per_param": [per(b) for b in step_peaks],
             "bytes_per_param": {k: per(v) for k, v in comp.items()},
             "phase_peak_bytes_per_param": {k: per(v) for k, v in peaks.peaks.items()}, "peak_phase": peak_phase,
             "engine_freed_for_training_bytes_per_param": per(freed),
             "rss_after_build_bytes_per_param": per(built),
-            "step_s": out.metrics.get("time/step_s"), "logprob_max_abs": out.metrics.get("train/logprob_max_abs"),
-            "rollout_tokens": sum(len(s.token_ids) for s in out.samples),
+            "step_s": out.metrics.get("time/step_s"), "train_s": out.metrics.get("time/train_s"),
+            "logprob_max_abs": out.metrics.get("train/logprob_max_abs"), "rollout_tokens": tokens,
         }
     finally:
         trainer.close()
@@ -202,6 +223,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--config", default="configs/tiny-cpu.yaml")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--out", default="runs/bench-memory")
+    ap.add_argument("--steps", type=int, default=2,
+                    help="RL steps to run; the components are the last step's (default 2: Adam's moments exist "
+                         "only from the end of the first)")
     ap.add_argument("--qwen25-05b-shape", action="store_true",
                     help="measure a Qwen2.5-0.5B-shaped model with random weights (written once under --out)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
@@ -214,17 +238,17 @@ def main(argv: list[str]) -> int:
         # Random weights: HistoSpec has no history worth drafting and the tokenizer does not
         # cover the vocabulary; the engine generates plainly.
         extra = [f"model.path={model}", "rollout.speculative=none"]
-    cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}", "run.max_steps=1",
+    cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}", f"run.max_steps={max(args.steps, 1)}",
                                     "tracking.wandb=disabled", "checkpoint.every_steps=0"])
     from rhymerl.bench.rollout import quiet_stdout
 
     with quiet_stdout():  # vLLM's and megatron's logs go to stderr; stdout carries the result
-        res = measure(cfg)
+        res = measure(cfg, args.steps)
     if args.json:
         print(json.dumps(res))
     else:
         print(f"peak resident memory {res['peak_rss_bytes'] / 1e9:.2f} GB for {res['model_params'] / 1e6:.1f}M "
-              f"parameters: {res['peak_bytes_per_param']} bytes/param")
+              f"parameters: {res['peak_bytes_per_param']} bytes/param (per step: {res['step_peak_bytes_per_param']})")
         for k, v in res["bytes_per_param"].items():
             print(f"  {k:20s} {v:8.2f} B/param")
     return 0
