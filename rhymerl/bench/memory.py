@@ -156,8 +156,6 @@ def measure(cfg, steps: int = 2) -> dict:
     from rhymerl.trainer import Trainer
     from rhymerl.training.process_groups import init_process_groups
 
-    if steps < 1:
-        raise ValueError(f"--steps: {steps} must be >= 1")
     peaks = PhasePeaks()
     groups = init_process_groups(cfg.parallel, 1, 0)
     peaks.enter("build")
@@ -180,10 +178,10 @@ def measure(cfg, steps: int = 2) -> dict:
                     peaks.enter("between")
             setattr(trainer, name, marked)
         step_peaks, tokens = [], []
-        for i in range(steps):
-            if i:
-                peaks.reset()
-                peaks.enter("between")
+        for _ in range(steps):
+            # Each step's peaks are its own (the first step's would otherwise include the build).
+            peaks.reset()
+            peaks.enter("between")
             out = trainer.train_step()
             peaks.enter("between")
             step_peaks.append(max(peaks.peaks.values()))
@@ -201,11 +199,12 @@ def measure(cfg, steps: int = 2) -> dict:
         released = min(freed, ew + kv) if peak_phase == "train" else 0
         comp["other"] = peak - (sum(comp.values()) - released)
         per = lambda b: round(b / n, 2)  # noqa: E731
+        hwm = _hwm()
         return {
             "config": cfg.run.name, "attention": cfg.parallel.attention,
             "recompute_activations": cfg.parallel.recompute_activations,
             "recompute_norms": cfg.parallel.recompute_norms, "micro_batch_tokens": cfg.algo.micro_batch_tokens,
-            "model_params": n, "steps": steps, "peak_rss_bytes": _hwm(), "peak_bytes_per_param": per(_hwm()),
+            "model_params": n, "steps": steps, "peak_rss_bytes": hwm, "peak_bytes_per_param": per(hwm),
             "step_peak_bytes_per_param": [per(b) for b in step_peaks],
             "bytes_per_param": {k: per(v) for k, v in comp.items()},
             "phase_peak_bytes_per_param": {k: per(v) for k, v in peaks.peaks.items()}, "peak_phase": peak_phase,
@@ -230,6 +229,8 @@ def main(argv: list[str]) -> int:
                     help="measure a Qwen2.5-0.5B-shaped model with random weights (written once under --out)")
     ap.add_argument("overrides", nargs="*", help="key.sub=value overrides")
     args = ap.parse_args(argv)
+    if args.steps < 1:
+        ap.error(f"--steps: {args.steps} must be >= 1")
     from rhymerl.config import load_config
 
     extra = []
@@ -238,7 +239,7 @@ def main(argv: list[str]) -> int:
         # Random weights: HistoSpec has no history worth drafting and the tokenizer does not
         # cover the vocabulary; the engine generates plainly.
         extra = [f"model.path={model}", "rollout.speculative=none"]
-    cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}", f"run.max_steps={max(args.steps, 1)}",
+    cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}", f"run.max_steps={args.steps}",
                                     "tracking.wandb=disabled", "checkpoint.every_steps=0"])
     from rhymerl.bench.rollout import quiet_stdout
 
