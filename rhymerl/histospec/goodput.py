@@ -56,11 +56,17 @@ class StepCostModel:
       code path: allocation, kernel selection);
     - plans use optimistic drafting costs (``planning_coef``): each fitted cost less ``z``
       standard errors, never below half of it, so while few drafted steps were seen the
-      plan keeps drafting what would pay at a lower cost, and those steps measure it.
+      plan keeps drafting what would pay at a lower cost, and those steps measure it;
+    - until ``explore`` drafted steps have been fitted (``exploring``), the planned drafting
+      costs are also never above the prior's ratio to the fitted per-row cost: one drafted
+      step stretched by another process (a busy host stretches steps 1-10x, and the 1/s^2
+      weights cannot tell such a step from a costly draft while it is the only one) would
+      otherwise price drafting out before a second drafted step is ever measured.
     """
 
     def __init__(self, fixed: float, per_request: float, per_token: float, per_drafting_request: float = 0.0,
-                 prior_steps: float = 1.0, decay: float = 0.999, warmup: int = 2, z: float = 1.0):
+                 prior_steps: float = 1.0, decay: float = 0.999, warmup: int = 2, z: float = 1.0,
+                 explore: int = 16):
         for name, v in (("fixed", fixed), ("per_request", per_request), ("per_token", per_token),
                         ("per_drafting_request", per_drafting_request)):
             if not (v >= 0.0 and math.isfinite(v)):
@@ -71,8 +77,8 @@ class StepCostModel:
             raise ValueError(f"step cost prior_steps must be > 0 (got {prior_steps})")
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"step cost decay must be in (0, 1] (got {decay})")
-        if z < 0.0 or warmup < 0:
-            raise ValueError("step cost z and warmup must be >= 0")
+        if z < 0.0 or warmup < 0 or explore < 0:
+            raise ValueError("step cost z, warmup and explore must be >= 0")
         self.prior = (float(fixed), float(per_request), float(per_token), float(per_drafting_request))
         self._prior_basis = (float(fixed), float(per_request) + float(per_token), float(per_token),
                              float(per_drafting_request))
@@ -80,6 +86,8 @@ class StepCostModel:
         self.decay = float(decay)
         self.warmup = int(warmup)
         self.z = float(z)
+        self.explore = int(explore)
+        self.drafted_steps_fitted = 0
         # Weighted sums of x x^T, x y and y^2 over fitted steps, x = (1, R, D, N); decayed count.
         self._xx = [[0.0] * _K for _ in range(_K)]
         self._xy = [0.0] * _K
@@ -117,7 +125,13 @@ class StepCostModel:
         self._yy = d * self._yy + 1.0  # w * seconds^2
         self._count = d * self._count + 1.0
         self.num_observed += 1
+        self.drafted_steps_fitted += drafted
         self._coef = self._plan = None
+
+    @property
+    def exploring(self) -> bool:
+        """Fewer than ``explore`` drafted steps fitted: what drafting costs is not known yet."""
+        return self.drafted_steps_fitted < self.explore
 
     @property
     def coef(self) -> tuple[float, float, float, float]:
@@ -188,7 +202,10 @@ class StepCostModel:
             e[col] = 1.0
             inv = _solve(a, e)
             se = math.sqrt(var * max(inv[col], 0.0)) if inv is not None else 0.0
-            plan.append(max(0.5 * c, c - self.z * se))
+            p_c = max(0.5 * c, c - self.z * se)
+            if self.exploring:
+                p_c = min(p_c, self._prior_basis[col] / row * max(per_row, 0.0) if row > 0 else p_c)
+            plan.append(p_c)
         self._plan = (self._coef[0], max(0.0, per_row - plan[0]), plan[0], plan[1])
 
     @property
@@ -199,6 +216,13 @@ class StepCostModel:
         if self._plan is None:
             self._fit()
         return self._rel_err
+
+    def hurdle(self, floor: float) -> float:
+        """How much better than drafting nothing a plan must be predicted to be: the fit's own
+        relative error (at least ``floor``), once drafting has been measured. While exploring
+        the error is the host's scatter, not the drafts', and a hurdle would stop the drafting
+        that measures it."""
+        return 0.0 if self.exploring else max(floor, self.relative_error)
 
     def predict(self, num_requests: int, num_scored_tokens: int, num_drafting_requests: Optional[int] = None) -> float:
         f, r, t, dr = self.coef

@@ -390,9 +390,8 @@ class DraftProposer:
         if goodput:
             surv = [[] if c is None else self.acceptance.survival(items[i][0], c[0][2], c[0][1])
                     for i, c in enumerate(cands)]
-            # With measured costs a plan must beat drafting nothing by more than the fit's own
-            # error; prior costs plan as they always did (token-exact replays of older runs).
-            hurdle = max(cfg.min_goodput_gain, self.cost.relative_error) if cfg.step_cost == "measured" else 0.0
+            # Prior costs plan as they always did (token-exact replays of older runs).
+            hurdle = self.cost.hurdle(cfg.min_goodput_gain) if cfg.step_cost == "measured" else 0.0
             lengths = plan_step(surv, self.cost, min_gain=cfg.min_gain, hurdle=hurdle).lengths
         else:
             lengths = [0 if c is None else len(c[0][0]) for c in cands]

@@ -326,3 +326,37 @@ def test_hurdle_drops_marginal_plans_and_keeps_clear_wins():
         r = rng.randint(1, 32)
         fit.observe_step(r, r, (0.05 + 0.008 * r) * rng.uniform(0.8, 1.2))
     assert 0.08 < fit.relative_error < 0.15  # uniform +-20%: sd 11.5%
+
+
+def _stretched_loop(m, survival, steps, rng):
+    """2 requests with history chains of the given survival (0: no history), on a host where
+    60% of steps are stretched 1-10x by other processes. Returns how many steps drafted."""
+    drafted = 0
+    for _ in range(steps):
+        plan = plan_step([[survival] * 8 if survival else []] * 2, m, hurdle=m.hurdle(0.05))
+        n = sum(1 for k in plan.lengths if k)
+        stretch = rng.uniform(1, 10) if rng.random() < 0.6 else 1.0
+        t = (0.03 + 0.006 * 2 + 0.002 * plan.draft_tokens + 0.002 * n) * stretch * rng.uniform(0.9, 1.1)
+        m.observe_step(2, 2 + plan.draft_tokens, t, n)
+        drafted += plan.draft_tokens > 0
+    return drafted
+
+
+def test_a_busy_host_does_not_lock_measured_costs_out_of_drafting():
+    """The first drafted steps measured on a busy host once priced drafting out for good: a
+    stretched step inflated the draft-token cost and the fit's error became a hurdle no plan
+    passed, so no later drafted step could correct either. Until ``explore`` drafted steps are
+    fitted, plans draft at no more than the prior's cost ratio and without the hurdle."""
+    locked = 0
+    for seed in range(8):
+        rng = random.Random(seed)
+        no_explore = StepCostModel(0.055, 0.0046, 0.0016, explore=0)
+        _stretched_loop(no_explore, 0.0, 40, rng)  # no-draft steps first: the fit learns the host's scatter
+        locked += _stretched_loop(no_explore, 0.8, 60, rng) < 30
+        rng = random.Random(seed)
+        m = StepCostModel(0.055, 0.0046, 0.0016)
+        assert m.exploring and m.hurdle(0.05) == 0.0
+        _stretched_loop(m, 0.0, 40, rng)
+        assert _stretched_loop(m, 0.8, 60, rng) == 60, seed
+        assert not m.exploring and m.hurdle(0.05) >= 0.05
+    assert locked > 0  # the lock-out this guards against happens on such a host
