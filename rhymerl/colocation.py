@@ -13,6 +13,8 @@ Every rank holds a training shard and a rollout engine on the same device. Per R
 On CPU hosts the two also share the cores: vLLM's CPU worker lowers torch's intra-op threads
 for serving when the engine starts, which would leave training on one thread of a many-core
 host; the threads are handed back to training before it runs and to the engine before it serves.
+And they share the host heap: after each hand-over the heap's freed pages go back to the OS
+(``trim_heap``), so one phase's fragments are not resident through the next.
 
 ``rollout.sleep_level=0`` keeps the engine resident (no sleep, no wake). vLLM's sleep mode is
 GPU-only: on CPU the engine's sleep frees its KV cache itself and, at level 2, drops its CPU
@@ -35,8 +37,11 @@ class Colocation:
     """Drives the engine's sleep/wake and the backend's offload/onload; metrics per step."""
 
     def __init__(self, engine: Any, backend: Any, sleep_level: int, device_free_bytes: Optional[Callable[[], int]] = None,
-                 cpu_threads: Optional[tuple[int, int]] = None, set_threads: Optional[Callable[[int], None]] = None):
-        """``cpu_threads``: (training, rollout) intra-op thread counts, on CPU hosts."""
+                 cpu_threads: Optional[tuple[int, int]] = None, set_threads: Optional[Callable[[int], None]] = None,
+                 trim_heap: Optional[Callable[[], Any]] = None):
+        """``cpu_threads``: (training, rollout) intra-op thread counts, on CPU hosts. ``trim_heap``
+        returns the host heap's freed pages to the OS after each hand-over (CPU hosts, where
+        both sides' tensors live in that heap)."""
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"rollout.sleep_level: {sleep_level} not allowed; allowed: 0, 1, 2")
         if cpu_threads is not None and set_threads is None:
@@ -45,6 +50,7 @@ class Colocation:
             set_threads = torch.set_num_threads
         self.cpu_threads = cpu_threads
         self._set_threads = set_threads
+        self._trim_heap = trim_heap
         self.engine = engine
         self.backend = backend
         self.sleep_level = sleep_level
@@ -65,9 +71,11 @@ class Colocation:
             self._m[f"colocation/{name}_freed_gb"] = (self._free() - before) / 1e9
         elif isinstance(out, int) and not isinstance(out, bool) and out:
             # No device figure (CPU hosts): the engine's own count of the bytes its sleep freed
-            # (KV cache; at level 2 its parameters too) or its wake took back.
-            sign = 1 if name == "engine_sleep" else -1
-            self._m[f"colocation/{name}_freed_gb"] = sign * out / 1e9
+            # (KV cache; at level 2 its parameters too) or its wake took back, and the resident
+            # bytes the heap trims released.
+            sign = 1 if name in ("engine_sleep", "heap_trim") else -1
+            key = f"colocation/{name}_freed_gb"
+            self._m[key] = self._m.get(key, 0.0) + sign * out / 1e9
         log.debug("colocation: %s in %.3f s", name, dt)
         return out
 
@@ -83,6 +91,7 @@ class Colocation:
         if self._trainer_offloaded:
             self._timed("trainer_onload", self.backend.onload_training_state)
             self._trainer_offloaded = False
+        self._trim()
 
     def after_training(self) -> None:
         """Training is over: free what the rollout does not need, wake the engine's weight memory."""
@@ -91,6 +100,7 @@ class Colocation:
             self._trainer_offloaded = True
         if self._asleep:
             self._timed("engine_wake_weights", lambda: self.engine.wake_up(["weights"]))
+        self._trim()
 
     def before_rollout(self) -> None:
         """The fresh weights are in: give the engine its KV cache back."""
@@ -99,10 +109,16 @@ class Colocation:
         if self._asleep:
             self._timed("engine_wake_kv", lambda: self.engine.wake_up(["kv_cache"]))
             self._asleep = False
+        self._trim()
+
+    def _trim(self) -> None:
+        if self._trim_heap is not None:
+            self._timed("heap_trim", self._trim_heap)
 
     def step_metrics(self) -> dict:
         """This step's counts and seconds (every key present each step, zero when not called)."""
-        names = ("engine_sleep", "engine_wake_weights", "engine_wake_kv", "trainer_offload", "trainer_onload")
+        names = ("engine_sleep", "engine_wake_weights", "engine_wake_kv", "trainer_offload", "trainer_onload",
+                 "heap_trim")
         out = {f"colocation/{n}_calls": 0 for n in names}
         out.update({f"colocation/{n}_s": 0.0 for n in names})
         out.update(self._m)

@@ -92,6 +92,12 @@ class ParallelConfig:
     # tensors per layer) are dropped after use and recomputed in backward, which costs one
     # norm per layer. Ignored under recompute_activations, which keeps less still.
     recompute_norms: bool = False
+    # A micro-batch with more tokens than algo.micro_batch_tokens (a row longer than the budget
+    # trains alone) recomputes its layers in backward, as recompute_activations does for every
+    # micro-batch: the budget then bounds the activation memory of a step whatever its longest
+    # response, and only the long tail pays the second forward. Megatron backend, without
+    # recompute_norms (its selective recomputation is fixed when the model is built).
+    recompute_over_budget: bool = True
     # Core attention of megatron's layers: "sdpa" runs torch's fused scaled_dot_product_attention
     # (flash attention: no [s, s] score matrix per layer kept for backward, the largest share of
     # a long-row training step's memory); "unfused" is megatron's own baddbmm + softmax.
@@ -613,9 +619,13 @@ def ignored_keys(cfg: RunConfig, given: set[str]) -> list[str]:
     when(a.overlong_buffer == 0, "algo.overlong_penalty", "algo.overlong_buffer is 0")
     when(p.backend == "megatron", "parallel.zero_stage", "parallel.backend is 'megatron'")
     when(p.backend == "deepspeed", ["parallel.distributed_optimizer", "parallel.recompute_activations",
-                                    "parallel.recompute_norms", "parallel.attention"], "parallel.backend is 'deepspeed'")
-    when(p.backend == "megatron" and p.recompute_activations, "parallel.recompute_norms",
+                                    "parallel.recompute_norms", "parallel.recompute_over_budget", "parallel.attention"],
+         "parallel.backend is 'deepspeed'")
+    when(p.backend == "megatron" and p.recompute_activations, ["parallel.recompute_norms",
+                                                                "parallel.recompute_over_budget"],
          "parallel.recompute_activations is true")
+    when(p.backend == "megatron" and p.recompute_norms and not p.recompute_activations,
+         "parallel.recompute_over_budget", "parallel.recompute_norms is true")
     when(cfg.tracking.wandb == "disabled", ["tracking.project", "tracking.entity"], "tracking.wandb is 'disabled'")
     return [f"{k}: set but unused because {why}" for k, why in unused
             if k in given or any(g.startswith(k + ".") for g in given)]

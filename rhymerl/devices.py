@@ -73,3 +73,44 @@ def free_memory_probe(device: torch.device):
     if device.type != "cuda":
         return None
     return lambda: int(torch.cuda.mem_get_info(device)[0])
+
+
+def host_heap_trimmer():
+    """A function returning freed host-heap pages to the OS (glibc's ``malloc_trim``), or None
+    where the C library has no such call.
+
+    Tensors of a few MB (weights, Adam's moments, activations of a layer) live in glibc's heap,
+    which keeps freed blocks resident for reuse. A colocated step changes what is resident at
+    each phase (the engine's packed weights and KV cache, then activations, then the engine's
+    again), so without a trim the resident set is the sum of every phase's fragments, growing
+    from step to step, instead of the largest phase."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = libc.malloc_trim if libc is not None else None
+    except (OSError, AttributeError):
+        return None
+    if trim is None:
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+
+    def trim_heap() -> int:
+        """Bytes of resident memory the trim released (0 where /proc is not there to say)."""
+        before = resident_bytes()
+        trim(0)
+        return max(before - resident_bytes(), 0)
+    return trim_heap
+
+
+def resident_bytes() -> int:
+    """This process's resident set in bytes (Linux), 0 elsewhere."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

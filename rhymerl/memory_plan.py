@@ -107,18 +107,29 @@ def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> Me
     opt_per_param = 8 + (4 if mixed else 0)
     opt_share = dp if p.distributed_optimizer else 1
     tokens = max(a.micro_batch_tokens, r.max_model_len)
-    seq = min(r.max_model_len, tokens)
     h, layers = size.hidden_size, size.num_layers // pp
-    full_layer = tokens * h * (ACT_BYTES_PER_TOKEN_HIDDEN + ACT_BYTES_PER_TOKEN_HIDDEN_TP / tp) * wb / 2
-    kept_layer = full_layer - (tokens * h * ACT_NORM_OUTPUT_BYTES_PER_TOKEN_HIDDEN * wb / 2 if p.recompute_norms else 0)
-    # Fused attention (parallel.attention=sdpa) keeps one log-sum-exp per row and head instead.
-    scores = tokens * seq * (size.num_heads / tp) * SCORE_BYTES if p.attention == "unfused" \
-        else tokens * (size.num_heads / tp) * 4
+
+    def activations_of(n_tok: int, recompute: bool) -> float:
+        seq = min(r.max_model_len, n_tok)
+        full_layer = n_tok * h * (ACT_BYTES_PER_TOKEN_HIDDEN + ACT_BYTES_PER_TOKEN_HIDDEN_TP / tp) * wb / 2
+        kept_layer = full_layer - (n_tok * h * ACT_NORM_OUTPUT_BYTES_PER_TOKEN_HIDDEN * wb / 2
+                                   if p.recompute_norms else 0)
+        # Fused attention (parallel.attention=sdpa) keeps one log-sum-exp per row and head instead.
+        scores = n_tok * seq * (size.num_heads / tp) * SCORE_BYTES if p.attention == "unfused" \
+            else n_tok * (size.num_heads / tp) * 4
+        if recompute:
+            # Only each layer's input is kept; backward recomputes one layer at a time.
+            return layers * n_tok * h * wb + full_layer + scores
+        return layers * (kept_layer + scores)
+
     if p.recompute_activations:
-        # Only each layer's input is kept; backward recomputes one layer at a time.
-        activations = layers * tokens * h * wb + full_layer + scores
+        activations = activations_of(tokens, True)
+    elif (p.recompute_over_budget and p.backend == "megatron" and not p.recompute_norms
+          and r.max_model_len > a.micro_batch_tokens):
+        # A micro-batch within the budget keeps its activations; a longer row recomputes.
+        activations = max(activations_of(a.micro_batch_tokens, False), activations_of(r.max_model_len, True))
     else:
-        activations = layers * (kept_layer + scores)
+        activations = activations_of(tokens, False)
     logits = tokens * size.vocab_size / tp * LOGIT_COPIES_BYTES
     training = {"weights": shard * wb, "grads": shard * 4, "optimizer": shard * opt_per_param / opt_share,
                 "activations": activations, "logits": logits}

@@ -146,14 +146,15 @@ class Trainer:
                                     cpu_kv_cache_bytes=self._cpu_kv_cache_bytes(),
                                     distributed=rtp > 1, tensor_parallel_size=rtp if rtp > 1 else None)
         from rhymerl.colocation import Colocation
-        from rhymerl.devices import free_memory_probe
+        from rhymerl.devices import free_memory_probe, host_heap_trimmer
 
         # vLLM's CPU worker lowers torch's threads for serving; training gets its own back.
         rollout_threads = torch.get_num_threads()
         self.colocation = Colocation(self.engine, self.backend, cfg.rollout.sleep_level,
                                      device_free_bytes=free_memory_probe(groups.device),
                                      cpu_threads=(train_threads, rollout_threads) if groups.device.type == "cpu"
-                                     and train_threads != rollout_threads else None)
+                                     and train_threads != rollout_threads else None,
+                                     trim_heap=host_heap_trimmer() if groups.device.type == "cpu" else None)
         self.rewards = self._start_rewards(RewardPool)
         from rhymerl.algorithms import DynamicSamplingBuffer
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -34,8 +33,9 @@ from pathlib import Path
 
 
 def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    from rhymerl.devices import resident_bytes
+
+    return resident_bytes()
 
 
 def _hwm() -> int:
@@ -231,19 +231,21 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps: {args.steps} must be >= 1")
+    from rhymerl.bench.rollout import quiet_stdout
     from rhymerl.config import load_config
 
-    extra = []
-    if args.qwen25_05b_shape:
-        model = write_qwen25_05b_shape(Path(args.out) / "qwen2.5-0.5b-shape")
-        # Random weights: HistoSpec has no history worth drafting and the tokenizer does not
-        # cover the vocabulary; the engine generates plainly.
-        extra = [f"model.path={model}", "rollout.speculative=none"]
-    cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}", f"run.max_steps={args.steps}",
-                                    "tracking.wandb=disabled", "checkpoint.every_steps=0"])
-    from rhymerl.bench.rollout import quiet_stdout
-
-    with quiet_stdout():  # vLLM's and megatron's logs go to stderr; stdout carries the result
+    # vLLM's, megatron's and DeepSpeed's logs (the last on import, while the model is written)
+    # go to stderr; stdout carries the result.
+    with quiet_stdout():
+        extra = []
+        if args.qwen25_05b_shape:
+            model = write_qwen25_05b_shape(Path(args.out) / "qwen2.5-0.5b-shape")
+            # Random weights: HistoSpec has no history worth drafting and the tokenizer does not
+            # cover the vocabulary; the engine generates plainly.
+            extra = [f"model.path={model}", "rollout.speculative=none"]
+        cfg = load_config(args.config, [*extra, *args.overrides, f"run.output_dir={args.out}",
+                                        f"run.max_steps={args.steps}", "tracking.wandb=disabled",
+                                        "checkpoint.every_steps=0"])
         res = measure(cfg, args.steps)
     if args.json:
         print(json.dumps(res))

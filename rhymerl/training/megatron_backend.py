@@ -11,6 +11,7 @@ megatron's DDP wrapper and stepped by megatron's optimizer.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -169,6 +170,7 @@ class MegatronBackend:
         self.layout = ModelLayout.from_hf_config(self.hf_config, where=str(self.model_path / "config.json"))
         self.layout.check_parallel(groups.tp_size, groups.pp_size)
         self.steps = 0
+        self.recomputed_micro_batches = 0  # this rank's, in the last train_step
         self._loss_fn = loss_fn
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
@@ -256,6 +258,24 @@ class MegatronBackend:
         lp = -nll[:, :-1]
         return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
 
+    def _recompute_over(self, tokens: int) -> bool:
+        """Whether a training micro-batch of ``tokens`` recomputes its layers in backward: it is
+        over the budget and the model does not already recompute."""
+        return (self.parallel_cfg.recompute_over_budget and self.config.recompute_granularity is None
+                and tokens > self.algo_cfg.micro_batch_tokens)
+
+    @contextmanager
+    def _full_recompute(self):
+        # Megatron's block reads the granularity at each forward, and the checkpoints it makes
+        # carry their own recomputation into backward, so switching it for one micro-batch's
+        # forward is enough; the next micro-batch sees the config as built.
+        c = self.config
+        c.recompute_granularity, c.recompute_method, c.recompute_num_layers = "full", "uniform", 1
+        try:
+            yield
+        finally:
+            c.recompute_granularity, c.recompute_method, c.recompute_num_layers = None, None, None
+
     def _run(self, micro: list[dict], loss_func: Callable, forward_only: bool, with_labels: bool = True) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -281,7 +301,12 @@ class MegatronBackend:
             # logits buffer per micro-batch, the largest tensor of a step. Without labels it
             # returns a [b, s, V] copy, and its backward a contiguous copy of the gradient.
             labels = self._next_token_targets(ids) if with_labels else None
-            out = model(ids, pos, None, labels=labels)
+            if forward_only or not self._recompute_over(ids.numel()):
+                out = model(ids, pos, None, labels=labels)
+            else:
+                self.recomputed_micro_batches += 1
+                with self._full_recompute():
+                    out = model(ids, pos, None, labels=labels)
             return out, partial(loss_func, mb)
 
         out = get_forward_backward_func()(
@@ -383,6 +408,7 @@ class MegatronBackend:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.recomputed_micro_batches = 0
         out = self._run(micro, loss_func, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.steps += 1
@@ -402,6 +428,7 @@ class MegatronBackend:
         tokens = extra.get("tokens", 0.0)
         extra["tokens"] = tokens
         extra["update_successful"] = bool(ok)
+        extra["recomputed_micro_batches"] = float(self.recomputed_micro_batches)
         return StepMetrics(loss=float(loss), grad_norm=float(grad_norm or 0.0),
                            lr=float(self.optimizer.param_groups[0]["lr"]), extra=extra)
 

@@ -89,3 +89,40 @@ def test_cpu_threads_go_to_training_then_back_to_the_engine():
     c = Colocation(r, r, sleep_level=1, cpu_threads=(8, 1), set_threads=lambda n: r.calls.append(f"threads{n}"))
     _steps(c, 1)
     assert r.calls == ["threads8", "sleep1", "offload", "wake:weights", "threads1", "wake:kv_cache"]
+
+
+def test_host_heap_is_trimmed_after_every_hand_over_and_reported():
+    r = Recorder()
+
+    def trim():
+        r.calls.append("trim")
+        return 2_000_000  # resident bytes released
+
+    m = _steps(Colocation(r, r, sleep_level=2, trim_heap=trim), 1)[0]
+    assert r.calls == ["sleep2", "trim", "offload", "wake:weights", "trim", "wake:kv_cache", "trim"]
+    assert m["colocation/heap_trim_calls"] == 3
+    assert m["colocation/heap_trim_freed_gb"] == pytest.approx(0.006)
+    # Without a trimmer (GPU hosts) the key is still there, at zero.
+    assert _steps(Colocation(r, r, sleep_level=2), 1)[0]["colocation/heap_trim_calls"] == 0
+
+
+def test_host_heap_trimmer_releases_freed_pages_of_this_process():
+    import ctypes
+
+    from rhymerl.devices import host_heap_trimmer, resident_bytes
+
+    trim = host_heap_trimmer()
+    if trim is None:
+        pytest.skip("this C library has no malloc_trim")
+    # Many 64 KB blocks, below glibc's mmap threshold: they come from the heap, and freeing them
+    # leaves their pages resident until a trim.
+    blocks = [ctypes.create_string_buffer(64 << 10) for _ in range(1024)]
+    for b in blocks:
+        ctypes.memset(b, 1, len(b))
+    keep = ctypes.create_string_buffer(16)  # above them: the heap's top cannot shrink past it
+    del blocks
+    before = resident_bytes()
+    released = trim()
+    assert released > 16 << 20
+    assert resident_bytes() < before
+    del keep

@@ -134,11 +134,13 @@ def test_keys_the_chosen_path_does_not_use_are_reported(caplog):
     caplog.clear()
     with caplog.at_level("WARNING", logger="rhymerl.config"):
         load_config(None, ["parallel.backend=deepspeed", "parallel.recompute_norms=true", "parallel.attention=unfused"])
-        load_config(None, ["parallel.recompute_activations=true", "parallel.recompute_norms=true"])
+        load_config(None, ["parallel.recompute_activations=true", "parallel.recompute_norms=true",
+                           "parallel.recompute_over_budget=false"])
     text = caplog.text
     for key, why in (("parallel.recompute_norms", "parallel.backend is 'deepspeed'"),
                      ("parallel.attention", "parallel.backend is 'deepspeed'"),
-                     ("parallel.recompute_norms", "parallel.recompute_activations is true")):
+                     ("parallel.recompute_norms", "parallel.recompute_activations is true"),
+                     ("parallel.recompute_over_budget", "parallel.recompute_activations is true")):
         assert f"{key}: set but unused because {why}" in text, (key, text)
     caplog.clear()
     with caplog.at_level("WARNING", logger="rhymerl.config"):

@@ -49,8 +49,13 @@ def _hf_reference(model_dir, ids, mask, weights, temperature):
                                 "embedding": hf.get_input_embeddings().weight.grad, "norm": hf.model.norm.weight.grad}
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_and_gradient_match_hf_log_softmax(one_rank, tiny_model_dir, temperature):
+@pytest.mark.parametrize("temperature,micro_batch_tokens,over_budget", [
+    (1.0, 4096, True), (0.7, 4096, True),
+    # One 12-token row per micro-batch, over an 8-token budget: each recomputes its layers in
+    # backward (or, switched off, keeps its activations); the gradient is the same.
+    (0.7, 8, True), (0.7, 8, False)])
+def test_logprobs_and_gradient_match_hf_log_softmax(one_rank, tiny_model_dir, temperature, micro_batch_tokens,
+                                                    over_budget):
     from rhymerl.config import AlgorithmConfig, ParallelConfig
     from rhymerl.training.base import PolicyBatch
     from rhymerl.training.megatron_backend import MegatronBackend
@@ -61,16 +66,19 @@ def test_logprobs_and_gradient_match_hf_log_softmax(one_rank, tiny_model_dir, te
     def weighted_logprob_sum(lp, old, adv, m, cfg, ref, num_tokens, num_sequences):
         return (lp * m * adv[:, None]).sum(), {}
 
-    # One micro-batch (megatron's loss scaling cancels) and no clipping, which would rescale
-    # main_grad in place: main_grad is then this loss's gradient.
-    algo = AlgorithmConfig(lr=1e-2, micro_batch_tokens=4096, grad_clip=0.0)
-    b = MegatronBackend(ParallelConfig(), algo, tiny_model_dir,
+    # Megatron's loss scaling cancels the backend's over micro-batches, and no clipping, which
+    # would rescale main_grad in place: main_grad is then this loss's gradient.
+    algo = AlgorithmConfig(lr=1e-2, micro_batch_tokens=micro_batch_tokens, grad_clip=0.0)
+    b = MegatronBackend(ParallelConfig(recompute_over_budget=over_budget), algo, tiny_model_dir,
                         one_rank(), temperature=temperature, loss_fn=weighted_logprob_sum)
     lp = b.compute_logprobs(ids, mask)
     torch.testing.assert_close(lp, ref_lp, rtol=1e-4, atol=1e-5)
     assert (ref_lp != 0).sum() == mask.sum()
 
-    b.train_step(PolicyBatch(ids, mask, weights))
+    out = b.train_step(PolicyBatch(ids, mask, weights))
+    recomputed = 3 if micro_batch_tokens < 12 and over_budget else 0
+    assert b.recomputed_micro_batches == out.extra["recomputed_micro_batches"] == recomputed
+    assert b.config.recompute_granularity is None  # switched for those forwards only
     grads = {n: p.main_grad for n, p in b.model.named_parameters()}
     # The output weight is the embedding when tied (SmolLM2), a weight of its own otherwise.
     megatron_names = {"embedding": "embedding.word_embeddings.weight", "norm": "decoder.final_layernorm.weight",

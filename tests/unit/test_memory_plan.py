@@ -90,3 +90,13 @@ def test_cpu_kv_cache_is_sized_from_the_step():
     assert cpu_kv_cache_bytes(layout, r, "float32", 10_000, 100) == cpu_kv_cache_bytes(layout, r, "float32", 64, 100)
     r.tensor_parallel = 2
     assert cpu_kv_cache_bytes(layout, r, "float32", 32, 100) == pytest.approx(step / 2, rel=1e-6)
+
+
+def test_over_budget_recomputation_bounds_the_activations_by_the_budget():
+    common = ("parallel.recompute_activations=false", "algo.micro_batch_tokens=4096", "rollout.max_model_len=16384")
+    kept = _plan("qwen2.5-7b-dapo-math-8xh100.yaml", QWEN25_7B, *common, "parallel.recompute_over_budget=false")
+    bounded = _plan("qwen2.5-7b-dapo-math-8xh100.yaml", QWEN25_7B, *common)
+    # Without it the longest row keeps 4x the budget's activations; with it the budget's
+    # micro-batch is the largest (the long row keeps only each layer's input).
+    assert bounded.training["activations"] == pytest.approx(kept.training["activations"] / 4, rel=0.05)
+    assert bounded.training_total < kept.training_total
