@@ -37,11 +37,12 @@ def main() -> None:
         pc = ParallelConfig(backend="deepspeed", zero_stage=stage)
         groups = groups or init_process_groups(pc, world, rank)
         backend = build_backend(pc, algo, Path(args.model), groups, seed=0)
+        probe, _ = make_batch(3, 384)
+        lp_start = backend.compute_logprobs(probe.input_ids, probe.response_mask)
         losses = []
         for seed in (1, 2):
             batch, g = make_batch(seed, 384)
             losses.append(backend.train_step(with_old_logprobs(batch, g)).loss)
-        probe, _ = make_batch(3, 384)
         lp = backend.compute_logprobs(probe.input_ids, probe.response_mask)
         weights = {n: t.detach().clone().cpu() for b in backend.export_hf_weights(1 << 16) for n, t in b}
         if stage == 3:
@@ -55,6 +56,7 @@ def main() -> None:
         if rank == 0:
             save_file(weights, str(out / f"zero{stage}.safetensors"))
             torch.save(lp, out / f"zero{stage}_lp.pt")
+            torch.save(lp_start, out / f"zero{stage}_lp_start.pt")
         results[f"zero{stage}"] = losses
     if rank == 0:
         (out / "results.json").write_text(json.dumps(results))
