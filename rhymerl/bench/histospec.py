@@ -400,7 +400,7 @@ def index_build_cost(epochs: dict[int, dict[str, list[TraceRecord]]]) -> dict:
     c = store.build_cost()
     out = {"history_tokens": ntok, "store_bytes_per_token": c["stored_bytes_per_token"],
            "suffix_automaton": {"build_us_per_token": round(c["index_build_us_per_token"], 3),
-                                "bytes_per_token": round(c["index_bytes_per_token"], 1)}}
+                                "bytes_per_token": round(c["index_bytes_per_token"], 1), "builder": c["index_builder"]}}
     try:
         from arctic_inference.suffix_decoding._C import SuffixTree
     except ImportError:

@@ -19,10 +19,12 @@ after every token (see ``_extend``), so an index can grow while requests draft f
 it (sibling responses, SuffixDecoding's per-request tree); bulk builds
 (``online=False``) sum them once in ``freeze``.
 
-Layout: parallel Python lists indexed by state id (``nxt`` holds one small dict per
-state). Plain lists beat NumPy here because every operation touches one element.
-``freeze`` returns ``FrozenSuffixAutomaton``, a read-only copy in flat arrays
-(about 4x smaller), which is what the history store keeps.
+Layout: the growing form is parallel Python lists indexed by state id (``nxt`` holds
+one small dict per state); plain lists beat NumPy here because every operation touches
+one element. What the history store keeps is ``FrozenSuffixAutomaton``: flat integer
+columns with the transitions in CSR form, built by ``build_frozen`` in compiled code
+(``_samc.c``, the same automaton state for state; ~0.3-0.7 us and 22-39 bytes per
+history token against ~2.4-5 us and ~180 bytes in Python objects), or by ``freeze``.
 
 Why an automaton and not the release's suffix tree: same counts, O(n) states, online
 construction, and the matched state can be carried from one decode step to the next
@@ -31,7 +33,14 @@ construction, and the matched state can be carried from one decode step to the n
 
 from __future__ import annotations
 
-from typing import Sequence
+import logging
+from array import array
+from bisect import bisect_left
+from typing import Optional, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
 
 # Virtual token in front of every indexed response (and of every request's match
 # context), so the first tokens of a response can be drafted and matches near the
@@ -174,7 +183,7 @@ class SuffixAutomaton:
         """A compact read-only copy (what the history store keeps)."""
         if not self.online:
             self._total_counts()
-        return FrozenSuffixAutomaton(self)
+        return FrozenSuffixAutomaton.from_automaton(self)
 
     def _total_counts(self) -> None:
         # Children in the suffix-link tree are strictly longer: sum in decreasing length.
@@ -280,118 +289,157 @@ class SuffixAutomaton:
         return total
 
 
-MULTI = -3
+def _column(values) -> array:
+    """An ``array`` of the narrowest integer type that holds ``values`` (a NumPy array)."""
+    lo = int(values.min()) if values.size else 0
+    hi = int(values.max()) if values.size else 0
+    for code, dtype in (("h", np.int16), ("H", np.uint16), ("i", np.int32), ("I", np.uint32), ("q", np.int64)):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            out = array(code)
+            out.frombytes(np.ascontiguousarray(values, dtype=dtype).tobytes())
+            return out
+    raise OverflowError("index column out of int64 range")
 
 
 class FrozenSuffixAutomaton:
-    """Read-only compact copy of a SuffixAutomaton, for history indexes.
+    """Read-only compact copy of a suffix automaton, for history indexes.
 
-    Flat ``array`` columns replace the per-state Python objects: most states have a
-    single transition, stored inline (``one_tok``/``one_dst``); only branching states
-    keep a dict (``multi``). About an order of magnitude less memory than the growing
-    form, and the same lookups the proposer needs (``trans``, ``best_arrays``,
-    ``children``). Frozen indexes never change, so their version is fixed.
+    Flat columns instead of per-state Python objects: ``ln``, ``link``, ``cnt`` per state,
+    and every state's transitions in CSR form (``off``; ``etok``/``edst`` per edge), each
+    column of the narrowest integer type that holds it. A state's first edge is its
+    preferred continuation (most frequent, smaller token on ties), the others follow in
+    token order, so a greedy draft reads one edge per token and a lookup is one compare
+    or a bisection. ``wcnt`` (reward-weighted counts) is ``cnt`` itself when every
+    sequence weighed 1, which is how the store builds unless the reward branch is on.
+
+    Built by ``build_frozen`` (compiled, ``_samc``) or ``SuffixAutomaton.freeze``; both
+    give the same states, ids and columns. Frozen indexes never change, so their version
+    is fixed.
     """
 
     _next_version = 1 << 40
 
-    def __init__(self, sam: SuffixAutomaton):
-        from array import array
-
-        n = len(sam.ln)
-        self.ln = array("i", sam.ln)
-        self.link = array("i", sam.link)
-        self.cnt = array("q", sam.cnt)
-        self.wcnt = array("d", sam.wcnt)
-        one_tok = array("i", [NO_CHILD]) * n
-        one_dst = array("i", [0]) * n
-        multi: dict[int, dict[int, int]] = {}
-        for v, trans in enumerate(sam.nxt):
-            k = len(trans)
-            if k == 1:
-                (c, u), = trans.items()
-                one_tok[v] = c
-                one_dst[v] = u
-            elif k > 1:
-                one_tok[v] = MULTI
-                multi[v] = trans
-        self.one_tok, self.one_dst, self.multi = one_tok, one_dst, multi
-        self.num_tokens = sam.num_tokens
-        self.num_seqs = sam.num_seqs
+    def __init__(self, ln, link, cnt, wcnt, off, etok, edst, num_tokens: int, num_seqs: int):
+        """Columns as NumPy arrays (ln/link/off/etok/edst int32, cnt int64, wcnt float64)."""
+        self.ln = _column(ln)
+        self.link = _column(link)
+        self.cnt = _column(cnt)
+        cnt_f = cnt.astype(np.float64)
+        if np.array_equal(wcnt, cnt_f):
+            self.wcnt = self.cnt
+        else:
+            self.wcnt = array("d")
+            self.wcnt.frombytes(np.ascontiguousarray(wcnt, dtype=np.float64).tobytes())
+        self.off = _column(off)
+        self.etok = _column(etok)
+        self.edst = _column(edst)
+        self.num_tokens = int(num_tokens)
+        self.num_seqs = int(num_seqs)
         FrozenSuffixAutomaton._next_version += 1
         self.version = FrozenSuffixAutomaton._next_version
         self._arrays: dict[bool, tuple] = {}
-        self._best: dict = {}
-        self._wbest: dict = {}
+
+    @classmethod
+    def from_automaton(cls, sam: SuffixAutomaton) -> "FrozenSuffixAutomaton":
+        """The frozen form of a (count-complete) growing automaton, in ``_samc``'s layout."""
+        cnt = sam.cnt
+        off = np.zeros(len(sam.ln) + 1, dtype=np.int32)
+        etok: list[int] = []
+        edst: list[int] = []
+        for v, trans in enumerate(sam.nxt):
+            if trans:
+                items = sorted(trans.items())
+                best = max(items, key=lambda kv: (cnt[kv[1]], -kv[0]))
+                etok.append(best[0])
+                edst.append(best[1])
+                for c, u in items:
+                    if c != best[0]:
+                        etok.append(c)
+                        edst.append(u)
+            off[v + 1] = len(etok)
+        return cls(np.asarray(sam.ln, dtype=np.int32), np.asarray(sam.link, dtype=np.int32),
+                   np.asarray(sam.cnt, dtype=np.int64), np.asarray(sam.wcnt, dtype=np.float64), off,
+                   np.asarray(etok, dtype=np.int32), np.asarray(edst, dtype=np.int32), sam.num_tokens, sam.num_seqs)
 
     @property
     def num_states(self) -> int:
         return len(self.ln)
 
     def trans(self, state: int, c: int) -> int:
-        t = self.one_tok[state]
-        if t == c:
-            return self.one_dst[state]
-        if t == MULTI:
-            return self.multi[state].get(c, -1)
-        return -1
+        off = self.off
+        lo = off[state]
+        hi = off[state + 1]
+        if lo == hi:
+            return -1
+        etok = self.etok
+        if etok[lo] == c:
+            return self.edst[lo]
+        i = bisect_left(etok, c, lo + 1, hi)
+        return self.edst[i] if i < hi and etok[i] == c else -1
 
-    def _items(self, state: int):
-        t = self.one_tok[state]
-        if t == MULTI:
-            return self.multi[state].items()
-        if t == NO_CHILD:
-            return ()
-        return ((t, self.one_dst[state]),)
+    def best(self, state: int) -> tuple[int, int]:
+        """(token, child) of the preferred continuation, token NO_CHILD if none."""
+        o = self.off[state]
+        if o == self.off[state + 1]:
+            return NO_CHILD, 0
+        return self.etok[o], self.edst[o]
 
     def match(self, tokens: Sequence[int]) -> tuple[int, int]:
         state, length = 0, 0
+        trans, link, ln = self.trans, self.link, self.ln
         for c in tokens:
             while True:
-                q = self.trans(state, c)
+                q = trans(state, c)
                 if q >= 0:
                     state, length = q, length + 1
                     break
                 if state == 0:
                     length = 0
                     break
-                state = self.link[state]
-                length = self.ln[state]
+                state = link[state]
+                length = ln[state]
         return state, length
 
     def children(self, state: int) -> list[tuple[int, int, float, float]]:
         cnt, wcnt = self.cnt, self.wcnt
         tot = cnt[state]
         wtot = wcnt[state] or 1.0
-        out = [(c, v, cnt[v] / tot, wcnt[v] / wtot) for c, v in self._items(state)]
+        lo, hi = self.off[state], self.off[state + 1]
+        out = [(c, v, cnt[v] / tot, wcnt[v] / wtot) for c, v in zip(self.etok[lo:hi], self.edst[lo:hi])]
         out.sort(key=lambda t: (-t[2], t[0]))
         return out
 
     def best_child(self, state: int, reward: bool = False) -> tuple | None:
-        bt, bd, bq = self.best_arrays(reward)
-        return None if bt[state] == NO_CHILD else (bt[state], bd[state], bq[state])
+        if reward:
+            bt, bd, bq = self.best_arrays(True)
+            return None if bt[state] == NO_CHILD else (bt[state], bd[state], bq[state])
+        c, u = self.best(state)
+        return None if c == NO_CHILD else (c, u, self.cnt[u] / self.cnt[state])
 
     def best_arrays(self, reward: bool = False):
+        """Preferred continuation of every state as flat columns (token, child, prob).
+
+        Frequency order needs none (each state's first edge is its preferred child;
+        drafting reads the edges); these are materialised on request, and for the
+        reward-weighted order, which only the reward branch uses."""
         arr = self._arrays.get(reward)
         if arr is not None:
             return arr
-        from array import array
-
         n = len(self.ln)
         bt = array("i", [NO_CHILD]) * n
         bd = array("i", [0]) * n
         bq = array("d", [0.0]) * n
-        cnt = self.cnt
+        cnt, off, etok, edst = self.cnt, self.off, self.etok, self.edst
         score = self.wcnt if reward else cnt
-        one_tok, one_dst = self.one_tok, self.one_dst
         for v in range(n):
-            t = one_tok[v]
-            if t == NO_CHILD:
+            lo, hi = off[v], off[v + 1]
+            if lo == hi:
                 continue
-            if t == MULTI:
-                c, u = max(self.multi[v].items(), key=lambda kv: (score[kv[1]], -kv[0]))
+            if reward and hi - lo > 1:
+                c, u = max(zip(etok[lo:hi], edst[lo:hi]), key=lambda kv: (score[kv[1]], -kv[0]))
             else:
-                c, u = t, one_dst[v]
+                c, u = etok[lo], edst[lo]
             bt[v] = c
             bd[v] = u
             bq[v] = cnt[u] / cnt[v]
@@ -400,11 +448,55 @@ class FrozenSuffixAutomaton:
         return arr
 
     def memory_bytes(self) -> int:
-        import sys
-
-        cols = [self.ln, self.link, self.cnt, self.wcnt, self.one_tok, self.one_dst]
+        cols = [self.ln, self.link, self.cnt, self.off, self.etok, self.edst]
+        if self.wcnt is not self.cnt:
+            cols.append(self.wcnt)
         for arr in self._arrays.values():
             cols.extend(arr)
-        total = sum(a.itemsize * len(a) for a in cols)
-        total += sys.getsizeof(self.multi) + sum(sys.getsizeof(d) + len(d) * 2 * 28 for d in self.multi.values())
-        return total
+        return sum(a.itemsize * len(a) for a in cols)
+
+
+try:
+    from rhymerl.histospec import _samc
+except ImportError:  # not compiled (source checkout without `pip install -e .`)
+    _samc = None
+
+BUILDER = "compiled" if _samc is not None else "python"
+_warned = False
+
+
+def build_frozen(sequences: Sequence[Sequence[int]], weights: Optional[Sequence[float]] = None
+                 ) -> Optional[FrozenSuffixAutomaton]:
+    """The frozen index of ``sequences`` (each indexed behind a START marker), weighed by
+    ``weights`` (1 each by default); None if they hold no tokens. Compiled when the
+    ``_samc`` extension is built, else the pure-Python automaton (same result, about 7x slower)."""
+    seqs = [np.asarray(s, dtype=np.int32).reshape(-1) for s in sequences]
+    num_tokens = sum(int(s.size) + 1 for s in seqs)
+    if not seqs:
+        return None
+    w = np.ones(len(seqs), dtype=np.float64) if weights is None else np.asarray(weights, dtype=np.float64)
+    if w.shape != (len(seqs),):
+        raise ValueError(f"build_frozen: {w.size} weights for {len(seqs)} sequences")
+    if _samc is None:
+        global _warned
+        if not _warned:
+            _warned = True
+            log.warning("rhymerl.histospec._samc is not compiled (reinstall with `pip install -e .`): history "
+                        "indexes are built in pure Python, about 7x slower")
+        sam = SuffixAutomaton(online=False)
+        for s, x in zip(seqs, w.tolist()):
+            sam.add([START] + s.tolist(), x)
+        return sam.freeze()
+    toks = np.empty(num_tokens, dtype=np.int32)
+    offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+    pos = 0
+    for k, s in enumerate(seqs):
+        toks[pos] = START
+        toks[pos + 1:pos + 1 + s.size] = s
+        pos += s.size + 1
+        offsets[k + 1] = pos
+    ln, link, cnt, wcnt, off, etok, edst = _samc.build(toks, offsets, w)
+    return FrozenSuffixAutomaton(np.frombuffer(ln, np.int32), np.frombuffer(link, np.int32),
+                                 np.frombuffer(cnt, np.int64), np.frombuffer(wcnt, np.float64),
+                                 np.frombuffer(off, np.int32), np.frombuffer(etok, np.int32),
+                                 np.frombuffer(edst, np.int32), num_tokens, len(seqs))

@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 
 from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec.goodput import AcceptanceTracker, StepCostModel, plan_step, remaining_cap
-from rhymerl.histospec.index import NO_CHILD, START, SuffixAutomaton
+from rhymerl.histospec.index import NO_CHILD, START, FrozenSuffixAutomaton, SuffixAutomaton
 from rhymerl.histospec.store import HistoryStore
 
 # Draft sources, in the order they are consulted (ties go to the earlier one).
@@ -111,13 +111,24 @@ class _Match:
         else:
             st, ln, start = self.state, self.length, self.pos
         trans, link, lens = sam.trans, sam.link, sam.ln
-        arrays = sam._arrays.get(reward)
-        bt, bd = (arrays[0], arrays[1]) if arrays is not None else (None, None)
+        if isinstance(sam, FrozenSuffixAutomaton) and not reward:
+            # A frozen index keeps each state's preferred child as its first edge.
+            off, bt, bd = sam.off, sam.etok, sam.edst
+        else:
+            arrays = sam._arrays.get(reward)
+            off = None
+            bt, bd = (arrays[0], arrays[1]) if arrays is not None else (None, None)
         for i in range(start, n):
             c = generated[i - 1] if i else START
-            if bt is not None and bt[st] == c:
+            if off is None:
+                o = st
+            else:
+                o = off[st]
+                if o == off[st + 1]:
+                    o = -1  # no edge; etok[-1] is some other state's, so never take it
+            if bt is not None and o >= 0 and bt[o] == c:
                 # Fast path: accepted draft tokens are exactly the preferred children.
-                st = bd[st]
+                st = bd[o]
                 ln += 1
             else:
                 while True:
@@ -167,33 +178,54 @@ class _Group:
         self.members = 0
 
 
-def _walk(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_prob: float, reward: bool,
-          conf: float = ADAPTIVE_CONF):
-    """Greedy chain from state v: (tokens, cond_probs, score).
+def _greedy(next_of, v: int, limit: int, conf_limit: int, min_prob: float, conf: float):
+    """Greedy chain from state v along ``next_of(v) -> (token, child, cond_prob) | None``:
+    (tokens, cond_probs, score).
 
     Up to ``limit`` tokens (then up to ``conf_limit`` while the path probability stays
-    >= ADAPTIVE_CONF), stopping when the path probability falls below ``min_prob``.
+    >= ``conf``), stopping when the path probability falls below ``min_prob``.
     """
-    bt, bd, bq = sam.best_arrays(reward)
     toks: list[int] = []
     probs: list[float] = []
     score = 0.0  # sum of path probabilities = expected accepted tokens (empirically)
     p = 1.0
     n = 0
     while n < conf_limit:
-        c = bt[v]
-        if c == NO_CHILD:
+        nx = next_of(v)
+        if nx is None:
             break
-        q = bq[v]
+        c, u, q = nx
         p *= q
         if p < min_prob or (n >= limit and p < conf):
             break
         toks.append(c)
         probs.append(q)
         score += p
-        v = bd[v]
+        v = u
         n += 1
     return toks, probs, score
+
+
+def _walk(sam: SuffixAutomaton | FrozenSuffixAutomaton, v: int, limit: int, conf_limit: int, min_prob: float,
+          reward: bool, conf: float = ADAPTIVE_CONF):
+    """Greedy chain along the preferred children (most frequent, or reward-weighted)."""
+    if isinstance(sam, FrozenSuffixAutomaton) and not reward:
+        # A frozen index keeps each state's preferred child as its first edge.
+        off, etok, edst, cnt = sam.off, sam.etok, sam.edst, sam.cnt
+
+        def next_of(v: int):
+            o = off[v]
+            if o == off[v + 1]:
+                return None
+            u = edst[o]
+            return etok[o], u, cnt[u] / cnt[v]
+    else:
+        bt, bd, bq = sam.best_arrays(reward)
+
+        def next_of(v: int):
+            c = bt[v]
+            return None if c == NO_CHILD else (c, bd[v], bq[v])
+    return _greedy(next_of, v, limit, conf_limit, min_prob, conf)
 
 
 def _walk_group(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_prob: float, reward: bool,
@@ -205,30 +237,17 @@ def _walk_group(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_p
     "the response stopped here", so they must not dilute the counts.
     """
     nxt, cnt = sam.nxt, sam.cnt
-    toks: list[int] = []
-    probs: list[float] = []
-    score = 0.0
-    p = 1.0
-    n = 0
-    while n < conf_limit:
+
+    def next_of(v: int):
         trans = nxt[v]
         if not trans:
-            break
+            return None
         if len(trans) == 1:
             (c, u), = trans.items()
-            q = 1.0
-        else:
-            c, u = max(trans.items(), key=lambda kv: (cnt[kv[1]], -kv[0]))
-            q = cnt[u] / sum(cnt[x] for x in trans.values())
-        p *= q
-        if p < min_prob or (n >= limit and p < conf):
-            break
-        toks.append(c)
-        probs.append(q)
-        score += p
-        v = u
-        n += 1
-    return toks, probs, score
+            return c, u, 1.0
+        c, u = max(trans.items(), key=lambda kv: (cnt[kv[1]], -kv[0]))
+        return c, u, cnt[u] / sum(cnt[x] for x in trans.values())
+    return _greedy(next_of, v, limit, conf_limit, min_prob, conf)
 
 
 class DraftProposer:

@@ -33,7 +33,7 @@ import numpy as np
 from rhymerl.atomic import atomic_write_bytes
 from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec.budget import STORED_BYTES_PER_TOKEN, VisitBudget, available_memory_bytes
-from rhymerl.histospec.index import START, FrozenSuffixAutomaton, SuffixAutomaton
+from rhymerl.histospec.index import BUILDER, FrozenSuffixAutomaton, build_frozen
 
 MAGIC = b"RHYMEHST"
 FORMAT_VERSION = 1
@@ -181,7 +181,7 @@ class HistoryStore:
             mem = sum(i.memory_bytes() for i in idx)
         return {"index_build_us_per_token": 1e6 * self.build_s / max(1, self.built_tokens),
                 "index_bytes_per_token": mem / max(1, tokens),
-                "stored_bytes_per_token": STORED_BYTES_PER_TOKEN}
+                "stored_bytes_per_token": STORED_BYTES_PER_TOKEN, "index_builder": BUILDER}
 
     def global_index(self) -> Optional[FrozenSuffixAutomaton]:
         """One index over the newest visit of every prompt (SuffixDecoding's global cache),
@@ -196,7 +196,6 @@ class HistoryStore:
         return self._global
 
     def _build_global(self) -> Optional[FrozenSuffixAutomaton]:
-        sam = SuffixAutomaton(online=False)
         budget = self.cfg.global_token_budget
         seen: set[int] = set()
         # Take the newest visits' arrays under the lock, index them outside it (the arrays
@@ -213,10 +212,7 @@ class HistoryStore:
                     break
                 total += v.num_tokens
                 chosen.append(list(v.responses))
-        for responses in chosen:
-            for r in responses:
-                sam.add([START] + r.tolist())
-        return sam.freeze() if sam.num_tokens else None
+        return build_frozen([r for responses in chosen for r in responses])
 
     def index_memory_bytes(self) -> int:
         return sum(e.index.memory_bytes() for e in self._entries.values() if e.index is not None)
@@ -279,16 +275,18 @@ class HistoryStore:
         if not e.visits:
             del self._entries[key]
 
-    def _build(self, e: _Entry) -> FrozenSuffixAutomaton:
+    def _build(self, e: _Entry) -> Optional[FrozenSuffixAutomaton]:
         t0 = time.thread_time()
-        sam = SuffixAutomaton(online=False)
-        for v in e.visits:
-            for r, w in zip(v.responses, reward_weights(v.rewards, len(v.responses))):
-                sam.add([START] + r.tolist(), w)
-        idx = sam.freeze()
-        idx.best_arrays(self.cfg.branch == "reward")
+        reward = self.cfg.branch == "reward"
+        seqs = [r for v in e.visits for r in v.responses]
+        # Weighted counts only steer the reward branch; without it they would equal the
+        # counts and cost the index a column.
+        weights = [w for v in e.visits for w in reward_weights(v.rewards, len(v.responses))] if reward else None
+        idx = build_frozen(seqs, weights)
+        if idx is not None and reward:
+            idx.best_arrays(True)
         self.build_s += time.thread_time() - t0
-        self.built_tokens += sam.num_tokens
+        self.built_tokens += idx.num_tokens if idx is not None else 0
         return idx
 
     # -- serialisation ----------------------------------------------------------------

@@ -122,3 +122,70 @@ def test_bulk_build_counts_equal_online_counts():
         bulk.add(s, weight=k + 0.5)
     a, b = online.freeze(), bulk.freeze()
     assert list(a.cnt) == list(b.cnt) and list(a.wcnt) == pytest.approx(list(b.wcnt))
+
+
+def _columns(idx):
+    return {k: list(getattr(idx, k)) for k in ("ln", "link", "cnt", "wcnt", "off", "etok", "edst")}
+
+
+@pytest.mark.parametrize("alphabet", [2, 3, 7, 40000])
+def test_compiled_builder_builds_the_python_automaton(alphabet):
+    from rhymerl.histospec import index
+
+    # The suite runs on an installed package: a compiler failure must not pass unseen.
+    assert index.BUILDER == "compiled"
+    rng = np.random.default_rng(alphabet)
+    for trial in range(20):
+        seqs = [rng.integers(0, alphabet, size=int(rng.integers(0, 80))).tolist() for _ in range(int(rng.integers(1, 9)))]
+        if trial % 3 == 0:  # GRPO-like: near-copies of one response
+            base = rng.integers(0, alphabet, size=60)
+            seqs = [np.where(rng.random(60) < 0.1, rng.integers(0, alphabet, size=60), base).tolist() for _ in range(6)]
+        weights = rng.random(len(seqs)) + 0.5
+        ref = SuffixAutomaton(online=False)
+        for s, w in zip(seqs, weights.tolist()):
+            ref.add([index.START] + s, w)
+        want = ref.freeze()
+        got = index.build_frozen(seqs, weights)
+        assert _columns(got) == _columns(want)  # same states, ids, edge order; floats bit-identical
+        assert (got.num_tokens, got.num_seqs) == (want.num_tokens, want.num_seqs)
+        for _ in range(20):
+            q = [index.START] + rng.integers(0, alphabet, size=int(rng.integers(0, 6))).tolist()
+            st, _ = ref.match(q)
+            assert got.match(q) == ref.match(q)
+            assert got.children(st) == ref.children(st)
+            for reward in (False, True):
+                assert got.best_child(st, reward) == ref.best_child(st, reward)
+
+
+def test_unweighted_index_shares_its_count_column_and_stays_small():
+    from rhymerl.histospec import index
+
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 49152, size=300)
+    seqs = [np.where(rng.random(300) < 0.15, rng.integers(0, 49152, size=300), base) for _ in range(16)]
+    idx = index.build_frozen(seqs)
+    assert idx.wcnt is idx.cnt
+    assert idx.memory_bytes() / idx.num_tokens <= 40
+    assert index.build_frozen(seqs, [1.0] * 15 + [1.5]).wcnt is not None
+    assert index.build_frozen([]) is None
+    with pytest.raises(ValueError, match="weights"):
+        index.build_frozen(seqs, [1.0])
+
+
+def test_incremental_match_on_a_frozen_index_equals_the_growing_one():
+    from rhymerl.histospec.proposer import _Match
+
+    rng = np.random.default_rng(11)
+    seqs = [rng.integers(0, 4, size=50).tolist() for _ in range(5)]
+    grow = SuffixAutomaton()
+    for s in seqs:
+        grow.add([-1] + s)
+    frozen = grow.freeze()
+    grow.best_arrays()  # the growing index's own fast path
+    for _ in range(30):
+        gen = rng.integers(0, 4, size=60).tolist()
+        a, b = _Match(grow), _Match(frozen)
+        for n in range(0, 61, int(rng.integers(1, 5))):
+            a.advance(gen[:n], window=8)
+            b.advance(gen[:n], window=8)
+            assert (a.state, a.length) == (b.state, b.length)
