@@ -322,18 +322,22 @@ class AcceptanceTracker:
         n = len(cond_probs)
         if n == 0:
             return []
-        rates = self.source_rates(source, n)
         f = self.request_factor(req)
-        last = len(rates) - 1
-        return [min(1.0, f * rates[min(i, last)] * q) for i, q in enumerate(cond_probs)]
+        # source_rates returns at least n multipliers; this runs per request per engine step.
+        return [x if x < 1.0 else 1.0 for x in [f * a * q for a, q in zip(self.source_rates(source, n), cond_probs)]]
+
+    def expected_accepted(self, req: str, source: str, cond_probs: Sequence[float]) -> tuple[float, list[float]]:
+        """(expected accepted tokens, ``survival``) of one chain."""
+        surv = self.survival(req, source, cond_probs)
+        e, p = 0.0, 1.0
+        for a in surv:
+            p *= a
+            e += p
+        return e, surv
 
     def bound(self, req: str, source: str, n: int) -> float:
         """Most expected accepted tokens any chain of n tokens from ``source`` can have (q = 1)."""
-        e, p = 0.0, 1.0
-        for a in self.survival(req, source, [1.0] * n):
-            p *= a
-            e += p
-        return e
+        return self.expected_accepted(req, source, [1.0] * n)[0]
 
     def observe(self, req: str, source: str, cond_probs: Sequence[float], accepted: int) -> None:
         """A verified draft: its first ``accepted`` tokens were accepted."""

@@ -333,7 +333,7 @@ class DraftProposer:
 
     # -- drafting ---------------------------------------------------------------------
     def _best_chain(self, req_id: str, r: _Req, generated: Sequence[int], limit: int, conf_limit: int):
-        """The best chain over all sources: (tokens, cond_probs, source, state, sam), or None.
+        """The best chain over all sources: (tokens, cond_probs, source, state, sam, survival), or None.
 
         Sources are compared by expected accepted tokens under each source's online
         acceptance (``AcceptanceTracker``), not by raw history counts: a source whose
@@ -358,13 +358,9 @@ class DraftProposer:
             if cand is None:
                 continue
             toks, probs, _, v, sam = cand
-            val = 0.0
-            p = 1.0
-            for q in acc.survival(req_id, src, probs):
-                p *= q
-                val += p
+            val, surv = acc.expected_accepted(req_id, src, probs)
             if val > best_val:
-                best, best_val = (toks, probs, src, v, sam), val
+                best, best_val = (toks, probs, src, v, sam, surv), val
         return best
 
     def propose(self, req_id: str, generated: Sequence[int], max_len: int) -> Draft:
@@ -407,8 +403,7 @@ class DraftProposer:
             best = self._best_chain(req_id, r, generated, limit, conf_limit) if cap > 0 else None
             cands.append(None if best is None else (best, cap))
         if goodput:
-            surv = [[] if c is None else self.acceptance.survival(items[i][0], c[0][2], c[0][1])
-                    for i, c in enumerate(cands)]
+            surv = [[] if c is None else c[0][5] for c in cands]
             # Prior costs plan as they always did (token-exact replays of older runs).
             hurdle = self.cost.hurdle(cfg.min_goodput_gain) if cfg.step_cost == "measured" else 0.0
             lengths = plan_step(surv, self.cost, min_gain=cfg.min_gain, hurdle=hurdle).lengths
@@ -420,7 +415,7 @@ class DraftProposer:
             if c is None or k <= 0:
                 out.append(Draft())
                 continue
-            (toks, probs, src, v, sam), cap = c
+            (toks, probs, src, v, sam, _), cap = c
             toks, probs = toks[:k], probs[:k]
             r = self._reqs[req_id]
             r.last_depth = len(toks)
