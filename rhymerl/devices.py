@@ -88,12 +88,11 @@ def host_heap_trimmer():
     import ctypes.util
 
     name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = libc.malloc_trim if libc is not None else None
-    except (OSError, AttributeError):
+    if not name:
         return None
-    if trim is None:
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # no C library to load, or not glibc
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
 

@@ -234,7 +234,8 @@ class StepCostModel:
         p = self.planning_coef
         return {"fixed_s": f, "per_request_s": r, "per_token_s": t, "per_drafting_request_s": dr,
                 "planning_per_token_s": p[2], "planning_per_drafting_request_s": p[3],
-                "observed_steps": self.num_observed}
+                "observed_steps": self.num_observed, "drafted_steps_fitted": self.drafted_steps_fitted,
+                "exploring": self.exploring}
 
 
 _K = 4  # columns of the step-cost fit: 1, R, D, N

@@ -555,6 +555,9 @@ class DraftProposer:
         s["step_cost/planning_per_token_ms"] = 1e3 * c["planning_per_token_s"]
         s["step_cost/planning_per_drafting_request_ms"] = 1e3 * c["planning_per_drafting_request_s"]
         s["step_cost/observed_steps"] = c["observed_steps"]
+        # Until `explore` drafted steps are fitted, measured costs plan without a hurdle.
+        s["step_cost/drafted_steps_fitted"] = c["drafted_steps_fitted"]
+        s["step_cost/exploring"] = int(c["exploring"])
         s.update(self.acceptance.state())
         return s
 

@@ -270,11 +270,12 @@ class MegatronBackend:
         # carry their own recomputation into backward, so switching it for one micro-batch's
         # forward is enough; the next micro-batch sees the config as built.
         c = self.config
+        saved = c.recompute_granularity, c.recompute_method, c.recompute_num_layers
         c.recompute_granularity, c.recompute_method, c.recompute_num_layers = "full", "uniform", 1
         try:
             yield
         finally:
-            c.recompute_granularity, c.recompute_method, c.recompute_num_layers = None, None, None
+            c.recompute_granularity, c.recompute_method, c.recompute_num_layers = saved
 
     def _run(self, micro: list[dict], loss_func: Callable, forward_only: bool, with_labels: bool = True) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func

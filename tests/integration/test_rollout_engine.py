@@ -122,6 +122,7 @@ def test_measured_step_costs_fit_the_engine_and_still_draft(none_engine, hs_engi
         hs_engine.histospec_cfg = saved
         hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
     assert m["step_cost/observed_steps"] > 0 and m["step_cost/per_token_ms"] > 0, m
+    assert m["step_cost/drafted_steps_fitted"] > 0 and m["step_cost/exploring"] in (0, 1), m
     assert m["draft_accepted"] > 0.5 * m["generated_tokens"], m
 
 

@@ -359,4 +359,6 @@ def test_a_busy_host_does_not_lock_measured_costs_out_of_drafting():
         _stretched_loop(m, 0.0, 40, rng)
         assert _stretched_loop(m, 0.8, 60, rng) == 60, seed
         assert not m.exploring and m.hurdle(0.05) >= 0.05
+        st = m.state()
+        assert st["drafted_steps_fitted"] >= m.explore and st["exploring"] is False
     assert locked > 0  # the lock-out this guards against happens on such a host
