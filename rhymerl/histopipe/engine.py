@@ -52,11 +52,13 @@ class SimResult:
 
 def simulate(cost: DecodeCostModel, num_instances: int, lengths: Sequence[int], prompt_lens: Sequence[int],
              group_of: Sequence[int], policy: Policy, tokens_per_step: Optional[Sequence[float]] = None,
-             verify_cost: float = 0.0, draft_tokens: Optional[Sequence[float]] = None) -> SimResult:
+             verify_cost: float = 0.0, draft_tokens: Optional[Sequence[float]] = None,
+             proposer_s: float = 0.0) -> SimResult:
     """Run one step under ``policy``. ``tokens_per_step[r]``: tokens request r emits per
     decode step (1 without speculation); ``draft_tokens[r]``: draft tokens it has verified
     per step, each costing ``verify_cost`` seconds more per step (the step-cost model of
-    speculation)."""
+    speculation), and each speculating request adds ``proposer_s`` of drafting to every
+    step it is in."""
     N = num_instances
     Ls = [int(x) for x in lengths]
     Ps = [int(x) for x in prompt_lens]
@@ -66,7 +68,7 @@ def simulate(cost: DecodeCostModel, num_instances: int, lengths: Sequence[int], 
     tps = [1.0] * R if tokens_per_step is None else [max(1.0, float(x)) for x in tokens_per_step]
     # Steps each request needs, and the per-step verify overhead it adds to its batch.
     need = [max(1, math.ceil(L / t)) for L, t in zip(Ls, tps)]
-    extra = [0.0] * R if draft_tokens is None else [verify_cost * float(d) for d in draft_tokens]
+    extra = [0.0] * R if draft_tokens is None else [verify_cost * float(d) + proposer_s for d in draft_tokens]
     sched = Scheduler(N, cost.max_batch, group_of, prompt_lens, policy)
     a, b, c, p = cost.a, cost.b, cost.c, cost.p
     cap = cost.kv_capacity

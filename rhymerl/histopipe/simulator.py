@@ -20,7 +20,7 @@ the projection rows combine it with HistoSpec's tokens per forward by position
 (``spec_profile``) for {no speculation, HistoSpec} x {random/least-loaded, HistoPipe}.
 
 ``--json`` prints {"results": [{"gpus", "scheduler", "makespan_s", "bubble_fraction",
-"ratio_to_oracle", "shuffled"}], "calibration": str, "projection": {"label", "calibration",
+"ratio_to_oracle", "shuffled"}], "calibration": str, "projection": {"label", "calibration", "proposer_s_per_request",
 "speculation", "rows": [{"gpus", "config", "makespan_s", "bubble_fraction",
 "speedup_vs_least_loaded"}]}} on stdout; tables go to stderr.
 """
@@ -115,7 +115,8 @@ def run_scheduler(name: str, w: Workload, num_instances: int, cost: DecodeCostMo
     if spec is not None:
         tps, extra = spec.per_request(w.lengths)
     return simulate(cost, num_instances, w.lengths, w.prompt_lens(), w.group_of(), pol, tokens_per_step=tps,
-                    verify_cost=cost.b if spec is not None else 0.0, draft_tokens=extra)
+                    verify_cost=cost.b if spec is not None else 0.0, draft_tokens=extra,
+                    proposer_s=spec.proposer_s_per_request if spec is not None else 0.0)
 
 
 def lower_bound(w: Workload, num_instances: int, cost: DecodeCostModel) -> float:
@@ -215,7 +216,8 @@ def main(argv: list[str]) -> int:
           f"calibration: {cal_source}", file=err)
     if spec is not None:
         print(f"speculation profile: {spec.source}; tokens/forward by position "
-              + ", ".join(f">={e}: {t:.2f}" for e, t in zip(spec.edges, spec.tokens_per_forward)), file=err)
+              + ", ".join(f">={e}: {t:.2f}" for e, t in zip(spec.edges, spec.tokens_per_forward))
+              + f"; proposer CPU {1e6 * spec.proposer_s_per_request:.0f} us per request per step", file=err)
     for g in gpus:
         N = g // args.tp
         num_groups = max(1, int(round(args.prompts_per_instance * N)))
@@ -276,6 +278,7 @@ def main(argv: list[str]) -> int:
         out = {"results": results, "calibration": cal_source}
         if projection:
             out["projection"] = {"label": "projection from the cost model and speculation profile, not a measurement",
-                                 "calibration": cal_source, "speculation": spec.source, "rows": projection}
+                                 "calibration": cal_source, "speculation": spec.source,
+                                 "proposer_s_per_request": spec.proposer_s_per_request, "rows": projection}
         print(json.dumps(out))
     return 0

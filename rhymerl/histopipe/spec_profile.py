@@ -2,9 +2,11 @@
 the real draft proposer, for the cluster simulator.
 
 Each epoch >= 1 of the trace is replayed in engine order against a history store holding
-the earlier epochs: per request and forward, the proposer drafts, the draft is checked
-against the recorded tokens (exact-match acceptance, what a greedy or lossless verifier
-emits for the recorded sample) and the forward emits accepted + 1 tokens. Forwards are
+the earlier epochs: the epoch's requests are all in flight and each step the proposer
+drafts for all of them in one call; each draft is checked against the recorded tokens
+(exact-match acceptance, what a greedy or lossless verifier emits for the recorded sample)
+and the forward emits accepted + 1 tokens. The proposer's CPU time per request per step is
+measured on the way. Forwards are
 bucketed by the position they start at, so a long response's speed follows how far its
 history match carries, not one global mean.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -29,6 +32,10 @@ class SpecProfile:
     tokens_per_forward: list[float]  # per bucket
     draft_tokens_per_forward: list[float]  # per bucket: verified draft tokens per forward
     source: str
+    # CPU seconds the proposer spends per request per engine step (drafting and feedback),
+    # measured on the host that replayed the trace. vLLM drafts between two forwards, so a
+    # step of B speculating requests waits B times this; 0 = not measured.
+    proposer_s_per_request: float = 0.0
 
     def bucket_tpf(self, pos: int) -> tuple[float, float]:
         k = max(i for i, e in enumerate(self.edges) if pos >= e)
@@ -56,13 +63,16 @@ class SpecProfile:
     def from_dict(cls, d: dict) -> "SpecProfile":
         try:
             p = cls([int(x) for x in d["edges"]], [float(x) for x in d["tokens_per_forward"]],
-                    [float(x) for x in d["draft_tokens_per_forward"]], str(d["source"]))
+                    [float(x) for x in d["draft_tokens_per_forward"]], str(d["source"]),
+                    float(d.get("proposer_s_per_request", 0.0)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"speculation profile: missing or ill-typed field ({e})") from None
         if not (len(p.edges) == len(p.tokens_per_forward) == len(p.draft_tokens_per_forward)) or p.edges[0] != 0:
             raise ValueError("speculation profile: edges, tokens_per_forward and draft_tokens_per_forward must align, edges[0] = 0")
         if any(t < 1.0 for t in p.tokens_per_forward):
             raise ValueError("speculation profile: tokens_per_forward must be >= 1")
+        if not p.proposer_s_per_request >= 0.0:
+            raise ValueError("speculation profile: proposer_s_per_request must be >= 0")
         return p
 
 
@@ -93,24 +103,37 @@ def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES) -> Spec
             store.add_group(key_of(recs[0]), e, [r.token_ids for r in recs])
 
     add(order[0])
+    proposer_s = 0.0
     for e in order[1:]:
+        # The engine's order: the epoch's requests all in flight, one proposer call per step.
+        active = []
         for pid, recs in sorted(ep[e].items()):
             for r in recs:
                 rid = f"{e}:{pid}:{r.sample_idx}"
                 prop.begin(rid, key_of(r), group=f"{e}:{pid}")
-                pos = 0
-                seq = r.token_ids
-                while pos < len(seq):
-                    d = prop.propose(rid, seq[:pos], max_len)
-                    a = accepted_prefix(d.tokens, seq[pos:])
-                    prop.feedback(rid, len(d.tokens), a)
-                    k = max(i for i, x in enumerate(edges) if pos >= x)
-                    step = min(a + 1, len(seq) - pos)
-                    toks[k] += step
-                    fwds[k] += 1
-                    drafted[k] += len(d.tokens)
-                    pos += step
-                prop.end(rid, seq)
+                active.append([rid, r.token_ids, 0])
+        while active:
+            t0 = time.perf_counter()
+            drafts = prop.propose_step([(rid, seq[:pos], max_len) for rid, seq, pos in active])
+            proposer_s += time.perf_counter() - t0
+            still = []
+            for item, d in zip(active, drafts):
+                rid, seq, pos = item
+                a = accepted_prefix(d.tokens, seq[pos:])
+                t0 = time.perf_counter()
+                prop.feedback(rid, len(d.tokens), a)
+                proposer_s += time.perf_counter() - t0
+                k = max(i for i, x in enumerate(edges) if pos >= x)
+                step = min(a + 1, len(seq) - pos)
+                toks[k] += step
+                fwds[k] += 1
+                drafted[k] += len(d.tokens)
+                item[2] = pos + step
+                if item[2] < len(seq):
+                    still.append(item)
+                else:
+                    prop.end(rid, seq)
+            active = still
         add(e)
     # Buckets the trace never reached take the last measured bucket's figures.
     tpf, dpf = [], []
@@ -124,8 +147,10 @@ def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES) -> Spec
     measured = int((fwds > 0).sum())
     note = "" if measured == nb else (f"; positions >= {edges[measured]} not in the trace, extrapolated from "
                                       f"positions {edges[measured - 1]}..{edges[measured] - 1}")
+    per_request = proposer_s / max(1.0, float(fwds.sum()))
     return SpecProfile(list(edges), tpf, dpf, f"HistoSpec replay of {Path(trace).name} ({int(toks.sum())} tokens, "
-                       f"{len(order) - 1} replayed epochs, max draft {max_len}{note})")
+                       f"{len(order) - 1} replayed epochs, max draft {max_len}{note}; proposer "
+                       f"{1e6 * per_request:.0f} us per request per step on the replaying host)", per_request)
 
 
 def load(path: Optional[str | Path]) -> Optional[SpecProfile]:

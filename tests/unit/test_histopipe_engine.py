@@ -81,6 +81,10 @@ def test_single_request_time_matches_closed_form():
                     draft_tokens=[3.0])
     want4 = 50 * 1e-4 + sum(0.01 + 0.001 + 0.006 + 1e-6 * (50 + 4 * k) for k in range(25))
     assert res4.makespan_s == pytest.approx(want4, rel=1e-9)
+    # Drafting costs the proposer's CPU time per speculating request in every step.
+    res5 = simulate(cm, 1, [100], [50], [0], StaticPolicy([[0]]), tokens_per_step=[4.0], verify_cost=0.002,
+                    draft_tokens=[3.0], proposer_s=0.0005)
+    assert res5.makespan_s == pytest.approx(want4 + 25 * 0.0005, rel=1e-9)
 
 
 def test_probe_runs_first_and_siblings_inherit_its_length():
