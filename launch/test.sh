@@ -25,4 +25,5 @@ if [ "${RHYMERL_SLURM:-auto}" != off ] && [ -f .ci/slurm2-up.sh ]; then
   fi
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-.venv/bin/python -m pytest "$@"
+# The slowest tests, so a suite creeping toward its 30-minute budget shows where.
+.venv/bin/python -m pytest --durations=25 "$@"
