@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from bisect import bisect_right
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -36,10 +37,6 @@ class SpecProfile:
     # measured on the host that replayed the trace. vLLM drafts between two forwards, so a
     # step of B speculating requests waits B times this; 0 = not measured.
     proposer_s_per_request: float = 0.0
-
-    def bucket_tpf(self, pos: int) -> tuple[float, float]:
-        k = max(i for i, e in enumerate(self.edges) if pos >= e)
-        return self.tokens_per_forward[k], self.draft_tokens_per_forward[k]
 
     def per_request(self, lengths) -> tuple[np.ndarray, np.ndarray]:
         """Per response: mean tokens per forward over its positions, and mean draft tokens
@@ -123,7 +120,7 @@ def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES) -> Spec
                 t0 = time.perf_counter()
                 prop.feedback(rid, len(d.tokens), a)
                 proposer_s += time.perf_counter() - t0
-                k = max(i for i, x in enumerate(edges) if pos >= x)
+                k = bisect_right(edges, pos) - 1  # the bucket holding position pos
                 step = min(a + 1, len(seq) - pos)
                 toks[k] += step
                 fwds[k] += 1

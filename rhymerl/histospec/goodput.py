@@ -325,7 +325,7 @@ class AcceptanceTracker:
             return []
         f = self.request_factor(req)
         # source_rates returns at least n multipliers; this runs per request per engine step.
-        return [x if x < 1.0 else 1.0 for x in [f * a * q for a, q in zip(self.source_rates(source, n), cond_probs)]]
+        return [x if (x := f * a * q) < 1.0 else 1.0 for a, q in zip(self.source_rates(source, n), cond_probs)]
 
     def expected_accepted(self, req: str, source: str, cond_probs: Sequence[float]) -> tuple[float, list[float]]:
         """(expected accepted tokens, ``survival``) of one chain."""

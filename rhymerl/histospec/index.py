@@ -468,12 +468,12 @@ _warned = False
 def build_frozen(sequences: Sequence[Sequence[int]], weights: Optional[Sequence[float]] = None
                  ) -> Optional[FrozenSuffixAutomaton]:
     """The frozen index of ``sequences`` (each indexed behind a START marker), weighed by
-    ``weights`` (1 each by default); None if they hold no tokens. Compiled when the
+    ``weights`` (1 each by default); None if there are no sequences. Compiled when the
     ``_samc`` extension is built, else the pure-Python automaton (same result, about 7x slower)."""
     seqs = [np.asarray(s, dtype=np.int32).reshape(-1) for s in sequences]
-    num_tokens = sum(int(s.size) + 1 for s in seqs)
     if not seqs:
         return None
+    num_tokens = sum(int(s.size) + 1 for s in seqs)
     w = np.ones(len(seqs), dtype=np.float64) if weights is None else np.asarray(weights, dtype=np.float64)
     if w.shape != (len(seqs),):
         raise ValueError(f"build_frozen: {w.size} weights for {len(seqs)} sequences")

@@ -111,24 +111,17 @@ class _Match:
         else:
             st, ln, start = self.state, self.length, self.pos
         trans, link, lens = sam.trans, sam.link, sam.ln
+        # best(state) -> (token, child) of the preferred continuation (token NO_CHILD if none).
         if isinstance(sam, FrozenSuffixAutomaton) and not reward:
-            # A frozen index keeps each state's preferred child as its first edge.
-            off, bt, bd = sam.off, sam.etok, sam.edst
+            best = sam.best
         else:
             arrays = sam._arrays.get(reward)
-            off = None
-            bt, bd = (arrays[0], arrays[1]) if arrays is not None else (None, None)
+            best = None if arrays is None else (lambda s, bt=arrays[0], bd=arrays[1]: (bt[s], bd[s]))
         for i in range(start, n):
             c = generated[i - 1] if i else START
-            if off is None:
-                o = st
-            else:
-                o = off[st]
-                if o == off[st + 1]:
-                    o = -1  # no edge; etok[-1] is some other state's, so never take it
-            if bt is not None and o >= 0 and bt[o] == c:
+            if best is not None and (b := best(st))[0] == c:
                 # Fast path: accepted draft tokens are exactly the preferred children.
-                st = bd[o]
+                st = b[1]
                 ln += 1
             else:
                 while True:
@@ -210,15 +203,11 @@ def _walk(sam: SuffixAutomaton | FrozenSuffixAutomaton, v: int, limit: int, conf
           reward: bool, conf: float = ADAPTIVE_CONF):
     """Greedy chain along the preferred children (most frequent, or reward-weighted)."""
     if isinstance(sam, FrozenSuffixAutomaton) and not reward:
-        # A frozen index keeps each state's preferred child as its first edge.
-        off, etok, edst, cnt = sam.off, sam.etok, sam.edst, sam.cnt
+        best, cnt = sam.best, sam.cnt
 
         def next_of(v: int):
-            o = off[v]
-            if o == off[v + 1]:
-                return None
-            u = edst[o]
-            return etok[o], u, cnt[u] / cnt[v]
+            c, u = best(v)
+            return None if c == NO_CHILD else (c, u, cnt[u] / cnt[v])
     else:
         bt, bd, bq = sam.best_arrays(reward)
 
