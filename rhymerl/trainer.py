@@ -512,7 +512,7 @@ class Trainer:
 # Figures of one rollout batch that add up over DAPO's refill rounds; ratios are recomputed.
 _ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "rollout/responses", "rollout/generated_tokens")
 _ADDITIVE_SPEC = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s",
-                  "requests", "requests_with_history", "steps", "steps_without_drafts")
+                  "requests", "requests_with_history", "steps", "steps_without_drafts", "searches", "searches_skipped")
 
 
 def merge_round_metrics(into: dict, extra: dict, rounds: int) -> None:
@@ -538,6 +538,9 @@ def _sum_engine_metrics(ms: list[dict]) -> dict:
     # Requests whose prompt had history; engine steps in which nobody drafted.
     out["history_served_fraction"] = tot["requests_with_history"] / tot["requests"] if tot["requests"] else 0.0
     out["steps_without_drafts_fraction"] = tot["steps_without_drafts"] / tot["steps"] if tot["steps"] else 0.0
+    # Request-steps whose chain search was skipped (no draft of theirs could pay).
+    looked = tot["searches"] + tot["searches_skipped"]
+    out["searches_skipped_fraction"] = tot["searches_skipped"] / looked if looked else 0.0
     # The fitted engine step-cost model (goodput draft lengths), averaged over instances.
     for k in ("step_cost/fixed_ms", "step_cost/per_request_ms", "step_cost/per_token_ms",
               "step_cost/per_drafting_request_ms"):

@@ -439,6 +439,32 @@ def plan_step(survival: Sequence[Sequence[float]], cost: StepCostModel, caps: Op
     return StepPlan(lengths, e, t)
 
 
+def draft_can_pay(factor: float, rates: Sequence[float], cap: int, lam: float, per_tok: float, per_drow: float,
+                  evaluation_s: float = 0.0) -> bool:
+    """Whether any draft of at most ``cap`` tokens for one request could enter a plan whose
+    goodput is at least ``lam`` and also pay ``evaluation_s`` (what finding its chain costs).
+
+    The bound takes every history probability as 1: the acceptance ``min(1, factor * a_i)``
+    is then the most any chain can have (``AcceptanceTracker.survival`` with q = 1). A
+    draft enters a plan at goodput ``lam`` only if its gains beat ``lam`` times its costs
+    (``plan_step``), and every plan's goodput is at least that of drafting nothing, so with
+    ``lam`` that of drafting nothing and ``evaluation_s`` = 0 a False here means the plan
+    gives this request no draft whatever its chain: skipping the chain's search changes
+    nothing but the time spent.
+    """
+    p, net, best = 1.0, -lam * per_drow, 0.0
+    tok = lam * per_tok
+    for a in rates[:cap]:
+        x = factor * a
+        p *= x if x < 1.0 else 1.0
+        if p <= tok or p <= 0.0:
+            break  # gains never rise along a chain: no later token pays either
+        net += p - tok
+        if net > best:
+            best = net
+    return best > lam * evaluation_s
+
+
 def remaining_cap(generated: int, predicted_len: Optional[float], margin: float) -> Optional[int]:
     """Most draft tokens worth proposing for a request predicted to end at ``predicted_len``.
 

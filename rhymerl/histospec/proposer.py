@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from rhymerl.config import HistoSpecConfig
-from rhymerl.histospec.goodput import AcceptanceTracker, StepCostModel, plan_step, remaining_cap
+from rhymerl.histospec.goodput import AcceptanceTracker, StepCostModel, draft_can_pay, plan_step, remaining_cap
 from rhymerl.histospec.index import NO_CHILD, START, FrozenSuffixAutomaton, SuffixAutomaton
 from rhymerl.histospec.store import HistoryStore
 
@@ -256,7 +256,10 @@ class DraftProposer:
         self.acceptance = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight)
         self._stats = {"calls": 0, "drafts": 0, "proposed": 0, "accepted": 0, "feedbacks": 0, "draft_time_s": 0.0,
                        "steps": 0, "steps_without_drafts": 0, "requests_with_history": 0, "requests": 0,
-                       "capped_by_length": 0}
+                       "capped_by_length": 0, "searches": 0, "searches_skipped": 0}
+        # What finding one request's chain costs (seconds): the prior, or measured as the
+        # engine runs with step_cost: measured.
+        self._search_s = cfg.draft_search_us * 1e-6
         self._by_source = {src: [0, 0, 0] for src in SOURCES}  # drafts, proposed, accepted
 
     # -- request lifecycle ------------------------------------------------------------
@@ -366,6 +369,14 @@ class DraftProposer:
         rule = cfg.draft_rule
         goodput = rule == "goodput"
         cands: list = []
+        if goodput:
+            # A request whose best conceivable draft could not enter the step's plan (and
+            # repay the search) is not searched: at a high batch most requests' drafts do
+            # not pay the verification, and their search is the proposer's whole cost there.
+            fixed, per_req, per_tok, per_drow = self.cost.planning_coef
+            lam0 = len(items) / (fixed + (per_req + per_tok) * len(items)) if items else 0.0
+            acc = self.acceptance
+        searched = 0
         for req_id, generated, max_len in items:
             st["calls"] += 1
             r = self._reqs.get(req_id)
@@ -389,6 +400,17 @@ class DraftProposer:
             else:
                 limit = min(r.window, cap)
                 conf_limit = cap if rule == "adaptive" else limit
+            if cap > 0 and goodput and lam0 > 0.0:
+                f = acc.request_factor(req_id)
+                if not any(draft_can_pay(f, acc.source_rates(src, cap), cap, lam0, per_tok, per_drow, self._search_s)
+                           for src, m in (("history", r.hist), ("group", r.sib), ("global", r.glob))
+                           if m is not None and m.sam.num_tokens):
+                    st["searches_skipped"] += 1
+                    if r.sib is not None and r.group in self._groups:
+                        self._push_group(r, self._groups[r.group], generated)
+                    cands.append(None)
+                    continue
+            searched += cap > 0
             best = self._best_chain(req_id, r, generated, limit, conf_limit) if cap > 0 else None
             cands.append(None if best is None else (best, cap))
         if goodput:
@@ -423,7 +445,12 @@ class DraftProposer:
             out.append(Draft(toks, probs, parents))
         if not any(out):
             st["steps_without_drafts"] += 1
-        st["draft_time_s"] += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        st["draft_time_s"] += dt
+        st["searches"] += searched
+        if searched and cfg.step_cost == "measured":
+            # Per searched request (the skipped ones cost a bound each: noise beside a search).
+            self._search_s += 0.05 * (dt / searched - self._search_s)
         return out
 
     def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float,
@@ -532,6 +559,9 @@ class DraftProposer:
         # Fraction of engine steps in which nobody drafted (speculation fully bypassed).
         s["steps_without_drafts_fraction"] = s["steps_without_drafts"] / max(1, s["steps"])
         s["history_served_fraction"] = s["requests_with_history"] / max(1, s["requests"])
+        # Request-steps whose chain search was skipped because no draft of theirs could pay.
+        s["searches_skipped_fraction"] = s["searches_skipped"] / max(1, s["searches"] + s["searches_skipped"])
+        s["search_us_per_request"] = 1e6 * self._search_s
         for src, (drafts, proposed, accepted) in self._by_source.items():
             s[f"source/{src}/drafts"] = drafts
             s[f"source/{src}/proposed"] = proposed

@@ -647,7 +647,8 @@ class RolloutEngine:
             # drafts/acceptance and the fitted step-cost model.
             self._metrics.update({k: v for k, v in self._core.stats().items()
                                   if k in ("steps", "steps_without_drafts", "steps_without_drafts_fraction",
-                                           "history_served_fraction", "requests", "requests_with_history")
+                                           "history_served_fraction", "requests", "requests_with_history", "searches",
+                                           "searches_skipped", "searches_skipped_fraction", "search_us_per_request")
                                   or k.startswith(("source/", "step_cost/", "acceptance_multiplier/"))})
 
     def metrics(self) -> dict:

@@ -362,3 +362,88 @@ def test_a_busy_host_does_not_lock_measured_costs_out_of_drafting():
         st = m.state()
         assert st["drafted_steps_fitted"] >= m.explore and st["exploring"] is False
     assert locked > 0  # the lock-out this guards against happens on such a host
+
+
+def test_draft_can_pay_is_an_upper_bound_on_the_plan():
+    from rhymerl.histospec.goodput import draft_can_pay
+    rng = random.Random(3)
+    for _ in range(400):
+        cost = StepCostModel(rng.uniform(0, 0.05), rng.uniform(0, 0.01), rng.uniform(1e-4, 0.01),
+                             rng.choice([0.0, rng.uniform(0, 0.005)]))
+        fixed, per_req, per_tok, per_drow = cost.planning_coef
+        n = rng.randint(1, 40)
+        lam0 = n / (fixed + (per_req + per_tok) * n)
+        rates = [rng.uniform(0.0, 1.5) for _ in range(8)]
+        f = rng.uniform(0.05, 1.5)
+        qs = [[rng.uniform(0.1, 1.0) for _ in range(8)] for _ in range(n)]
+        surv = [[min(1.0, f * a * q) for a, q in zip(rates, qq)] for qq in qs]
+        plan = plan_step(surv, cost, hurdle=rng.choice([0.0, 0.1]))
+        if not draft_can_pay(f, rates, 8, lam0, per_tok, per_drow):
+            assert plan.lengths == [0] * n  # no chain of these rates can enter any plan
+    # A search cost raises the bar; a sure draft at a cheap token still pays.
+    assert draft_can_pay(1.0, [1.0] * 4, 4, 10.0, 0.001, 0.0)
+    assert not draft_can_pay(1.0, [1.0] * 4, 4, 10.0, 0.001, 0.0, evaluation_s=0.4)
+    assert not draft_can_pay(0.05, [0.5] * 4, 4, 10.0, 0.01, 0.0)  # 2.5% acceptance cannot repay 10% of a row
+
+
+def _replay_drafts(trace, cfg, epochs_feedback_zero=()):
+    """Engine-order replay of a synthetic trace: every step's drafts and the proposer's stats."""
+    from rhymerl.histospec import prompt_key
+    from rhymerl.histospec.acceptance import accepted_prefix
+    from rhymerl.traces import by_epoch
+    ep = by_epoch(trace)
+    store = HistoryStore(cfg)
+    p = DraftProposer(store, cfg)
+    for pid, recs in ep[0].items():
+        store.add_group(prompt_key(recs[0].prompt_token_ids), 0, [r.token_ids for r in recs])
+    drafts = []
+    for e in sorted(ep)[1:]:
+        active = []
+        for pid, recs in sorted(ep[e].items()):
+            for r in recs:
+                rid = f"{e}:{pid}:{r.sample_idx}"
+                p.begin(rid, prompt_key(r.prompt_token_ids), group=f"{e}:{pid}")
+                active.append([rid, r.token_ids, 0])
+        while active:
+            ds = p.propose_step([(rid, seq[:pos], 8) for rid, seq, pos in active])
+            still = []
+            for item, d in zip(active, ds):
+                rid, seq, pos = item
+                drafts.append(tuple(d.tokens))
+                a = accepted_prefix(d.tokens, seq[pos:])
+                p.feedback(rid, len(d.tokens), a)
+                item[2] = min(len(seq), pos + a + 1)
+                if item[2] < len(seq):
+                    still.append(item)
+                else:
+                    p.end(rid, seq)
+            active = still
+        for pid, recs in ep[e].items():
+            store.add_group(prompt_key(recs[0].prompt_token_ids), e, [r.token_ids for r in recs])
+    return drafts, p.stats()
+
+
+def test_skipped_searches_change_no_draft(monkeypatch):
+    """With no search cost the skip is exact: the drafts are those of searching every request."""
+    from rhymerl.histospec import proposer as proposer_mod
+    from rhymerl.histospec.synthetic import synthetic_trace
+    trace = synthetic_trace(num_prompts=6, n=4, epochs=3, similarity=0.3, mean_len=60, seed=1)
+    # Half the prompts' later responses are their tokens shuffled: the history still matches
+    # single tokens and drafts, and the drafts keep failing (a policy that moved away).
+    rng = random.Random(0)
+    for rec in trace:
+        if rec.epoch > 0 and int(rec.prompt_id[1:]) % 2 == 0:
+            rng.shuffle(rec.token_ids)
+    # A GPU-like prior (a draft token ~1/4 of a row): low-acceptance requests' drafts do not pay.
+    cfg = dataclasses.replace(HistoSpecConfig(), draft_search_us=0.0, step_cost_fixed_ms=1.0,
+                              step_cost_per_request_ms=0.2, step_cost_per_token_ms=0.05)
+    skipped, st = _replay_drafts(trace, cfg)
+    assert st["searches_skipped"] > 0 and st["drafts"] > 0
+    monkeypatch.setattr(proposer_mod, "draft_can_pay", lambda *a, **k: True)
+    searched, st2 = _replay_drafts(trace, cfg)
+    assert st2["searches_skipped"] == 0
+    assert skipped == searched
+    # A search cost skips more, never fewer.
+    monkeypatch.undo()
+    _, st3 = _replay_drafts(trace, dataclasses.replace(cfg, draft_search_us=200.0))
+    assert st3["searches_skipped"] > st["searches_skipped"]
