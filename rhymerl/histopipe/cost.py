@@ -98,5 +98,14 @@ class DecodeCostModel:
             tot += prefills
         return max(tot, self.solo_time(lmax, pmax, occ, ctx / n))
 
+    def goodput_prior(self, context_tokens: float) -> dict:
+        """HistoSpec's step-cost prior (``histospec.step_cost_*``, ms) for this engine: the
+        fixed cost is a step's weights read, a request adds its KV read at ``context_tokens``,
+        a scored token its matmul."""
+        if not context_tokens >= 1:
+            raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
+        return {"step_cost_fixed_ms": round(1e3 * self.a, 3), "step_cost_per_request_ms": round(1e3 * self.c * context_tokens, 4),
+                "step_cost_per_token_ms": round(1e3 * self.b, 4)}
+
     def to_dict(self) -> dict:
         return asdict(self)

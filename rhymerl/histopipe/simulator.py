@@ -195,7 +195,8 @@ def main(argv: list[str]) -> int:
     cfg = HistoPipeConfig()
     try:
         cost, cal_source, cal = calibration.load(args.calibration)
-        spec = spec_profile.measure(args.spec_trace) if args.spec_trace else \
+        spec = spec_profile.measure_for_engine(args.spec_trace, cost, args.prompt_len + args.max_tokens / 2) \
+            if args.spec_trace else \
             (SpecProfile.from_dict(cal["speculation"]) if "speculation" in cal else None)
     except (ValueError, TraceError) as e:
         print(f"simulate histopipe: {e}", file=sys.stderr)

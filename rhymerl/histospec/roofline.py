@@ -30,15 +30,12 @@ from rhymerl.resharding.layout import ModelLayout
 def gpu_step_cost_prior(layout: ModelLayout, dtype: str, tp: int, context_tokens: int, max_batch: int,
                         hbm_tb_s: float = 3.35, peak_tflops: float = 989.0, gpu_mem_gb: float = 80.0) -> dict:
     """``histospec.step_cost_*`` (ms) for an engine of ``tp`` GPUs (H100 SXM figures by default)."""
-    if context_tokens < 1:
-        raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
     nbytes = DTYPE_BYTES[dtype]
     params = model_params(layout)
     cm = DecodeCostModel.for_instance(tp=tp, max_batch=max_batch, weights_gb=params * nbytes / 1e9,
                                       kv_bytes_per_token=kv_bytes_per_token(layout, nbytes, 1), gpu_mem_gb=gpu_mem_gb,
                                       hbm_tb_s=hbm_tb_s, peak_tflops=peak_tflops, params_b=params / 1e9)
-    return {"step_cost_fixed_ms": round(1e3 * cm.a, 3), "step_cost_per_request_ms": round(1e3 * cm.c * context_tokens, 4),
-            "step_cost_per_token_ms": round(1e3 * cm.b, 4)}
+    return cm.goodput_prior(context_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:
