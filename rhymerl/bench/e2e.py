@@ -76,6 +76,22 @@ def summarize(rows: list[dict]) -> dict:
             "steps_measured": len(late), "per_step": rows}
 
 
+def add_ratios(v: dict, off: dict) -> None:
+    """A variant's ratios to off. The raw step and rollout ratios compare different
+    trajectories (sampled variants write other responses of other lengths: the same run
+    has shown 1.21x and 1.86x for the same code); the per-token rollout ratio compares equal
+    work, and ``step_speedup_at_equal_work`` is off's step with its rollout run at that
+    per-token speed and every other phase as off measured it."""
+    v["step_speedup"] = off["step_s"] / v["step_s"] if v["step_s"] > 0 else 0.0
+    v["rollout_speedup"] = off["phases"]["rollout"] / v["phases"]["rollout"] if v["phases"]["rollout"] > 0 else 0.0
+    v["rollout_share"] = v["phases"]["rollout"] / v["step_s"] if v["step_s"] > 0 else 0.0
+    per_tok = off["rollout_s_per_token"] / v["rollout_s_per_token"] if v["rollout_s_per_token"] > 0 else 0.0
+    v["rollout_speedup_per_token"] = per_tok
+    rollout = off["phases"]["rollout"]
+    equal = off["step_s"] - rollout + (rollout / per_tok if per_tok > 0 else 0.0)
+    v["step_speedup_at_equal_work"] = off["step_s"] / equal if per_tok > 0 and equal > 0 else 0.0
+
+
 METHODS = ("ngram", "suffix", "histospec")
 
 
@@ -124,19 +140,15 @@ def _run(args, methods: list[str]) -> dict:
         for t in reversed(trainers):
             t.close()
     off = variants["off"]
-    for label, v in variants.items():
-        v["step_speedup"] = off["step_s"] / v["step_s"] if v["step_s"] > 0 else 0.0
-        v["rollout_speedup"] = off["phases"]["rollout"] / v["phases"]["rollout"] if v["phases"]["rollout"] > 0 else 0.0
-        v["rollout_share"] = v["phases"]["rollout"] / v["step_s"] if v["step_s"] > 0 else 0.0
-        v["rollout_speedup_per_token"] = (off["rollout_s_per_token"] / v["rollout_s_per_token"]
-                                          if v["rollout_s_per_token"] > 0 else 0.0)
+    for v in variants.values():
+        add_ratios(v, off)
     labels = list(variants)
     print(f"\n{'phase (s)':<12}" + "".join(f"{lb:>11}" for lb in labels), file=sys.stderr)
     for p in ("step",) + PHASES:
         vals = [v["step_s"] if p == "step" else v["phases"][p] for v in variants.values()]
         print(f"{p:<12}" + "".join(f"{x:>11.2f}" for x in vals), file=sys.stderr)
-    for key in ("step_speedup", "rollout_speedup", "rollout_speedup_per_token", "rollout_share", "tokens_per_forward",
-                "reward_mean", "response_len_mean"):
+    for key in ("step_speedup", "rollout_speedup", "rollout_speedup_per_token", "step_speedup_at_equal_work",
+                "rollout_share", "tokens_per_forward", "reward_mean", "response_len_mean"):
         print(f"{key:<12}" + "".join(f"{v[key]:>11.2f}" for v in variants.values()), file=sys.stderr)
     print(f"(epoch >= 2 means; ratios vs off in this run; {time.time() - t0:.0f} s total)", file=sys.stderr)
     on = variants.get("histospec")

@@ -2,8 +2,7 @@
 instances: the simulator's driver of the ``Scheduler``.
 
 Each instance runs up to ``max_batch`` sequences; every decode step advances all of them by
-one token and takes ``a + b*B + c*K`` seconds (``DecodeCostModel``), or ``step_scale``
-times that for the speculative variant (fewer steps per token, see ``speed``). Between two
+one token and takes ``a + b*B + c*K`` seconds (``DecodeCostModel``). Between two
 events the batch is fixed and its context grows by B tokens a step, so the time to the
 next event is a closed-form quadratic in the number of steps: events are finishes and
 progress reports the scheduler asked for (``watch_tokens``), never single tokens, which
@@ -14,7 +13,8 @@ Admission is gated by the policy's batch cap and by the KV tokens in use
 
 Speculative decoding (HistoSpec) is modelled per request: ``tpf[r]`` tokens per target
 forward, so a request of length L needs ceil(L / tpf) steps, and each step costs the
-verification of its draft tokens (``verify_cost`` each).
+verification of its draft tokens (``verify_cost`` each) and the proposer's time for each
+speculating request in the batch (``proposer_s``).
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ def simulate(cost: DecodeCostModel, num_instances: int, lengths: Sequence[int], 
     if any(L < 1 for L in Ls):
         raise ValueError("every response length must be >= 1 token")
     tps = [1.0] * R if tokens_per_step is None else [max(1.0, float(x)) for x in tokens_per_step]
-    # Steps each request needs, and the per-step verify overhead it adds to its batch.
-    need = [max(1, math.ceil(L / t)) for L, t in zip(Ls, tps)]
+    # The per-step verify and drafting overhead each request adds to its batch.
     extra = [0.0] * R if draft_tokens is None else [verify_cost * float(d) + proposer_s for d in draft_tokens]
     sched = Scheduler(N, cost.max_batch, group_of, prompt_lens, policy)
     a, b, c, p = cost.a, cost.b, cost.c, cost.p

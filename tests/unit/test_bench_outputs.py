@@ -82,3 +82,23 @@ def test_phase_timer_follows_a_method_patched_after_wrapping():
     assert r.sample(1) == 2
     Runner.sample = lambda self, x: x + 10
     assert r.sample(1) == 11 and timer.seconds["sample"] > 0
+
+
+def test_e2e_ratios_compare_equal_work():
+    from rhymerl.bench.e2e import add_ratios
+
+    def variant(step, rollout, per_token):
+        return {"step_s": step, "phases": {"rollout": rollout}, "rollout_s_per_token": per_token}
+
+    off = variant(10.0, 6.0, 0.02)
+    # The accelerated run wrote shorter responses: its raw ratios flatter it, the equal-work ones do not.
+    on = variant(4.0, 1.5, 0.01)
+    add_ratios(on, off)
+    assert on["step_speedup"] == 2.5 and on["rollout_speedup"] == 4.0
+    assert on["rollout_speedup_per_token"] == 2.0
+    assert on["step_speedup_at_equal_work"] == 10.0 / (4.0 + 3.0)
+    add_ratios(off, off)
+    assert off["step_speedup_at_equal_work"] == 1.0 and off["rollout_speedup_per_token"] == 1.0
+    idle = variant(1.0, 0.0, 0.0)
+    add_ratios(idle, off)
+    assert idle["rollout_speedup_per_token"] == 0.0 and idle["step_speedup_at_equal_work"] == 0.0
