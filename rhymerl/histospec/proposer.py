@@ -376,7 +376,8 @@ class DraftProposer:
             fixed, per_req, per_tok, per_drow = self.cost.planning_coef
             lam0 = len(items) / (fixed + (per_req + per_tok) * len(items)) if items else 0.0
             acc = self.acceptance
-        searched = 0
+        searched, search_s, skipped_before = 0, 0.0, st["searches_skipped"]
+        clock = time.perf_counter
         for req_id, generated, max_len in items:
             st["calls"] += 1
             r = self._reqs.get(req_id)
@@ -410,8 +411,12 @@ class DraftProposer:
                         self._push_group(r, self._groups[r.group], generated)
                     cands.append(None)
                     continue
-            searched += cap > 0
-            best = self._best_chain(req_id, r, generated, limit, conf_limit) if cap > 0 else None
+            best = None
+            if cap > 0:
+                ts = clock()
+                best = self._best_chain(req_id, r, generated, limit, conf_limit)
+                search_s += clock() - ts
+                searched += 1
             cands.append(None if best is None else (best, cap))
         if goodput:
             surv = [[] if c is None else c[0][5] for c in cands]
@@ -445,12 +450,17 @@ class DraftProposer:
             out.append(Draft(toks, probs, parents))
         if not any(out):
             st["steps_without_drafts"] += 1
-        dt = time.perf_counter() - t0
-        st["draft_time_s"] += dt
+        st["draft_time_s"] += time.perf_counter() - t0
         st["searches"] += searched
-        if searched and cfg.step_cost == "measured":
-            # Per searched request (the skipped ones cost a bound each: noise beside a search).
-            self._search_s += 0.05 * (dt / searched - self._search_s)
+        if cfg.step_cost == "measured":
+            if searched:
+                # The searches alone: with the step's other work in it, a step that skipped most
+                # requests would price the few searches it made ever higher, and skip more.
+                self._search_s += 0.05 * (search_s / searched - self._search_s)
+            elif st["searches_skipped"] > skipped_before:
+                # Nothing searched, nothing measured: an overestimate would stand for good.
+                # Lowering it step by step lets searches resume, and measure it again.
+                self._search_s *= 0.9
         return out
 
     def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float,

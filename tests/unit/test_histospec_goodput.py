@@ -447,3 +447,27 @@ def test_skipped_searches_change_no_draft(monkeypatch):
     monkeypatch.undo()
     _, st3 = _replay_drafts(trace, dataclasses.replace(cfg, draft_search_us=200.0))
     assert st3["searches_skipped"] > st["searches_skipped"]
+
+
+def test_measured_search_cost_recovers_from_an_overestimate():
+    """With step_cost: measured the search's price is measured: a prior that skips every
+    search decays until requests are searched again, and then their time sets it."""
+    store, cfg = _proposer(include_global=False, include_siblings=False, step_cost="measured",
+                           draft_search_us=1e7)
+    store.add_group(1, 0, [list(range(400))])
+    p = DraftProposer(store, cfg)
+    p.begin("a", 1)
+    assert p.propose_step([("a", [0, 1, 2], 8)])[0].tokens == []  # a 10 s search never pays
+    assert p.stats()["searches_skipped"] == 1
+    drafted = 0
+    for n in range(3, 300):
+        drafted += len(p.propose_step([("a", list(range(n)), 8)])[0].tokens)
+    st = p.stats()
+    assert st["searches"] > 0 and drafted > 0
+    assert st["search_us_per_request"] < 1e6  # measured searches, not the prior, price it now
+    # The prior mode keeps the configured price: deterministic drafts for exact replays.
+    q = DraftProposer(store, dataclasses.replace(cfg, step_cost="prior"))
+    q.begin("a", 1)
+    for n in range(3, 60):
+        assert q.propose_step([("a", list(range(n)), 8)])[0].tokens == []
+    assert q.stats()["search_us_per_request"] == pytest.approx(1e7) and q.stats()["searches"] == 0
