@@ -510,7 +510,8 @@ class Trainer:
 
 
 # Figures of one rollout batch that add up over DAPO's refill rounds; ratios are recomputed.
-_ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "rollout/responses", "rollout/generated_tokens")
+_ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "rollout/responses", "rollout/generated_tokens",
+                      "histospec/source/")
 _ADDITIVE_SPEC = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s",
                   "requests", "requests_with_history", "steps", "steps_without_drafts", "searches", "searches_skipped")
 
@@ -526,9 +527,10 @@ def merge_round_metrics(into: dict, extra: dict, rounds: int) -> None:
         else:
             into.setdefault(k, v)
     spec = _sum_engine_metrics([{k: into.get(f"histospec/{k}", 0) for k in _ADDITIVE_SPEC}])
-    if "histospec/acceptance" in into:
-        into["histospec/acceptance"] = spec["acceptance"]
-        into["histospec/tokens_per_forward"] = spec["tokens_per_forward"]
+    for k in ("acceptance", "tokens_per_forward", "history_served_fraction", "steps_without_drafts_fraction",
+              "searches_skipped_fraction"):
+        if f"histospec/{k}" in into:
+            into[f"histospec/{k}"] = spec[k]
 
 
 def _sum_engine_metrics(ms: list[dict]) -> dict:
@@ -541,9 +543,13 @@ def _sum_engine_metrics(ms: list[dict]) -> dict:
     # Request-steps whose chain search was skipped (no draft of theirs could pay).
     looked = tot["searches"] + tot["searches_skipped"]
     out["searches_skipped_fraction"] = tot["searches_skipped"] / looked if looked else 0.0
-    # The fitted engine step-cost model (goodput draft lengths), averaged over instances.
+    # Drafts, proposed and accepted tokens by draft source, summed over instances.
+    for k in sorted({k for m in ms for k in m if k.startswith("source/")}):
+        out[k] = float(sum(m.get(k, 0) for m in ms))
+    # The fitted engine step-cost model (goodput draft lengths) and the priced chain search,
+    # averaged over instances.
     for k in ("step_cost/fixed_ms", "step_cost/per_request_ms", "step_cost/per_token_ms",
-              "step_cost/per_drafting_request_ms"):
+              "step_cost/per_drafting_request_ms", "search_us_per_request"):
         vals = [m[k] for m in ms if k in m]
         if vals:
             out[k] = float(sum(vals) / len(vals))

@@ -1,0 +1,44 @@
+import pytest
+
+from rhymerl.trainer import merge_round_metrics
+
+pytestmark = pytest.mark.cpu
+
+
+def _round(requests, with_history, steps, bypassed, searches, skipped, proposed, accepted, tokens, forwards):
+    counts = {"requests": requests, "requests_with_history": with_history, "steps": steps,
+              "steps_without_drafts": bypassed, "searches": searches, "searches_skipped": skipped,
+              "draft_proposed": proposed, "draft_accepted": accepted, "generated_tokens": tokens,
+              "target_forwards": forwards, "draft_time_s": 0.01}
+    m = {f"histospec/{k}": v for k, v in counts.items()}
+    m.update({"histospec/history_served_fraction": with_history / requests,
+              "histospec/steps_without_drafts_fraction": bypassed / steps,
+              "histospec/searches_skipped_fraction": skipped / (searches + skipped),
+              "histospec/acceptance": accepted / proposed, "histospec/tokens_per_forward": tokens / forwards,
+              "histospec/source/history/drafts": 3, "time/rollout_s": 2.0})
+    return m
+
+
+def test_refill_rounds_recompute_every_ratio_from_the_summed_counts():
+    """DAPO refills add rounds to a step: the step's fractions are those of all its rounds,
+    not of the first."""
+    step = _round(8, 8, 10, 1, 60, 20, 40, 20, 120, 60)
+    merge_round_metrics(step, _round(8, 0, 30, 27, 10, 90, 10, 1, 100, 90), 1)
+    assert step["histospec/requests"] == 16 and step["time/rollout_s"] == 4.0
+    assert step["histospec/history_served_fraction"] == 0.5
+    assert step["histospec/steps_without_drafts_fraction"] == 28 / 40
+    assert step["histospec/searches_skipped_fraction"] == 110 / 180
+    assert step["histospec/acceptance"] == 21 / 50 and step["histospec/tokens_per_forward"] == 220 / 150
+    assert step["histospec/source/history/drafts"] == 6  # per-source counts add up too
+
+
+def test_instances_sum_their_counts_by_source():
+    from rhymerl.trainer import _sum_engine_metrics
+
+    a = {"requests": 4, "searches": 10, "searches_skipped": 0, "source/history/drafts": 5,
+         "source/group/accepted": 2, "search_us_per_request": 40.0}
+    b = {"requests": 4, "searches": 5, "searches_skipped": 5, "source/history/drafts": 1,
+         "search_us_per_request": 60.0}
+    out = _sum_engine_metrics([a, b])
+    assert out["source/history/drafts"] == 6 and out["source/group/accepted"] == 2
+    assert out["searches_skipped_fraction"] == 0.25 and out["search_us_per_request"] == 50.0
