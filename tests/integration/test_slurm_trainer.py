@@ -55,9 +55,10 @@ CASES = {
     # A real time limit: Slurm sends its warning once <= lead + 30 s are left, at a check about
     # every 30 s: here at any time from the job's start, the tasks possibly not yet running.
     # The time-limit watch stops the first segment after its first step anyway (startup alone
-    # leaves < lead); the second segment runs the last step.
-    "limit-batch": Case(tasks=1, steps=2, slurm={"time": "00:02:00", "signal_lead_s": 110, "signal_batch": True}),
-    "limit-tasks": Case(tasks=1, steps=2, slurm={"time": "00:02:00", "signal_lead_s": 110}),
+    # leaves < lead); the second segment runs the last step. Three minutes a segment: with six
+    # jobs on two busy cores a segment's startup alone has taken 90 s.
+    "limit-batch": Case(tasks=1, steps=2, slurm={"time": "00:03:00", "signal_lead_s": 170, "signal_batch": True}),
+    "limit-tasks": Case(tasks=1, steps=2, slurm={"time": "00:03:00", "signal_lead_s": 170}),
     "cancel": Case(tasks=1, steps=8, trigger=("scancel",)),
 }
 
