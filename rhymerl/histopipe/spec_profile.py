@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from bisect import bisect_right
 from dataclasses import asdict, dataclass
@@ -74,65 +73,78 @@ class SpecProfile:
         return p
 
 
-def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES) -> SpecProfile:
-    """Replay ``trace`` through the HistoSpec proposer (``cfg``: HistoSpecConfig)."""
+def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES, repeats: int = 1,
+            host: str = "the replaying host", pricing: str = "") -> SpecProfile:
+    """Replay ``trace`` through the HistoSpec proposer (``cfg``: HistoSpecConfig).
+
+    The drafts are the same in every replay; the proposer's CPU time is the median of
+    ``repeats`` replays on ``host``. ``pricing`` says what the drafts were priced at."""
     from rhymerl.config import HistoSpecConfig
     from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
     from rhymerl.histospec.acceptance import accepted_prefix
     from rhymerl.traces import TraceError, by_epoch, read_trace
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     cfg = cfg or HistoSpecConfig()
     ep = by_epoch(read_trace(trace))
     order = sorted(ep)
     if len(order) < 2:
         raise TraceError(f"{trace}: a speculation profile needs at least two epochs (history, then replay)")
-    store = HistoryStore(cfg)
-    prop = DraftProposer(store, cfg)
     nb = len(edges)
-    toks = np.zeros(nb)
-    fwds = np.zeros(nb)
-    drafted = np.zeros(nb)
 
     def key_of(rec):
         return prompt_key(rec.prompt_token_ids if rec.prompt_token_ids is not None else [hash(rec.prompt_id) & 0x7FFFFFFF])
 
-    def add(e):
-        for pid, recs in ep[e].items():
-            store.add_group(key_of(recs[0]), e, [r.token_ids for r in recs])
+    def replay():
+        store = HistoryStore(cfg)
+        prop = DraftProposer(store, cfg)
+        toks = np.zeros(nb)
+        fwds = np.zeros(nb)
+        drafted = np.zeros(nb)
 
-    add(order[0])
-    proposer_s = 0.0
-    for e in order[1:]:
-        # The engine's order: the epoch's requests all in flight, one proposer call per step.
-        active = []
-        for pid, recs in sorted(ep[e].items()):
-            for r in recs:
-                rid = f"{e}:{pid}:{r.sample_idx}"
-                prop.begin(rid, key_of(r), group=f"{e}:{pid}")
-                active.append([rid, r.token_ids, 0])
-        while active:
-            t0 = time.perf_counter()
-            drafts = prop.propose_step([(rid, seq[:pos], max_len) for rid, seq, pos in active])
-            proposer_s += time.perf_counter() - t0
-            still = []
-            for item, d in zip(active, drafts):
-                rid, seq, pos = item
-                a = accepted_prefix(d.tokens, seq[pos:])
+        def add(e):
+            for pid, recs in ep[e].items():
+                store.add_group(key_of(recs[0]), e, [r.token_ids for r in recs])
+
+        add(order[0])
+        proposer_s = 0.0
+        for e in order[1:]:
+            # The engine's order: the epoch's requests all in flight, one proposer call per step.
+            active = []
+            for pid, recs in sorted(ep[e].items()):
+                for r in recs:
+                    rid = f"{e}:{pid}:{r.sample_idx}"
+                    prop.begin(rid, key_of(r), group=f"{e}:{pid}")
+                    active.append([rid, r.token_ids, 0])
+            while active:
                 t0 = time.perf_counter()
-                prop.feedback(rid, len(d.tokens), a)
+                drafts = prop.propose_step([(rid, seq[:pos], max_len) for rid, seq, pos in active])
                 proposer_s += time.perf_counter() - t0
-                k = bisect_right(edges, pos) - 1  # the bucket holding position pos
-                step = min(a + 1, len(seq) - pos)
-                toks[k] += step
-                fwds[k] += 1
-                drafted[k] += len(d.tokens)
-                item[2] = pos + step
-                if item[2] < len(seq):
-                    still.append(item)
-                else:
-                    prop.end(rid, seq)
-            active = still
-        add(e)
+                still = []
+                for item, d in zip(active, drafts):
+                    rid, seq, pos = item
+                    a = accepted_prefix(d.tokens, seq[pos:])
+                    t0 = time.perf_counter()
+                    prop.feedback(rid, len(d.tokens), a)
+                    proposer_s += time.perf_counter() - t0
+                    k = bisect_right(edges, pos) - 1  # the bucket holding position pos
+                    step = min(a + 1, len(seq) - pos)
+                    toks[k] += step
+                    fwds[k] += 1
+                    drafted[k] += len(d.tokens)
+                    item[2] = pos + step
+                    if item[2] < len(seq):
+                        still.append(item)
+                    else:
+                        prop.end(rid, seq)
+                active = still
+            add(e)
+        return toks, fwds, drafted, proposer_s / max(1.0, float(fwds.sum()))
+
+    runs = [replay() for _ in range(repeats)]
+    toks, fwds, drafted, _ = runs[0]
+    per_request = sorted(r[3] for r in runs)[repeats // 2]
     # Buckets the trace never reached take the last measured bucket's figures.
     tpf, dpf = [], []
     for k in range(nb):
@@ -145,37 +157,26 @@ def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES) -> Spec
     measured = int((fwds > 0).sum())
     note = "" if measured == nb else (f"; positions >= {edges[measured]} not in the trace, extrapolated from "
                                       f"positions {edges[measured - 1]}..{edges[measured] - 1}")
-    per_request = proposer_s / max(1.0, float(fwds.sum()))
+    how = f", median of {repeats} replays" if repeats > 1 else ""
     return SpecProfile(list(edges), tpf, dpf, f"HistoSpec replay of {Path(trace).name} ({int(toks.sum())} tokens, "
                        f"{len(order) - 1} replayed epochs, max draft {max_len}{note}; proposer "
-                       f"{1e6 * per_request:.0f} us per request per step on the replaying host)", per_request)
+                       f"{1e6 * per_request:.0f} us per request per step{how} on {host}){pricing}", per_request)
 
 
-def measure_for_engine(trace: str | Path, cost, context_tokens: float, repeats: int = 1) -> SpecProfile:
+def measure_for_engine(trace: str | Path, cost, context_tokens: float, repeats: int = 1,
+                       host: str = "the replaying host") -> SpecProfile:
     """``measure`` with drafts priced at the simulated engine's step costs (``cost``: the
     calibration's ``DecodeCostModel``), as a config for that engine states them
-    (``histospec.roofline``); the proposer time is the median of ``repeats`` replays
-    (the drafts are the same in each)."""
+    (``histospec.roofline``)."""
     from dataclasses import replace
 
     from rhymerl.config import HistoSpecConfig
 
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
     prior = cost.goodput_prior(context_tokens)
-    cfg = replace(HistoSpecConfig(), **prior)
-    runs = [measure(trace, cfg) for _ in range(repeats)]
-    times = sorted(p.proposer_s_per_request for p in runs)
-    p = runs[0]
-    p.proposer_s_per_request = times[len(times) // 2]
-    how = f"median of {repeats} replays" if repeats > 1 else "one replay"
-    p.source = (re.sub(r"proposer \d+ us per request per step on the replaying host\)",
-                       f"proposer {1e6 * p.proposer_s_per_request:.0f} us per request per step, {how} on the replaying host)",
-                       p.source)
-                + f"; drafts priced at this engine's roofline at a {int(context_tokens)}-token context "
-                f"({prior['step_cost_fixed_ms']} ms + {prior['step_cost_per_request_ms']} ms per request + "
-                f"{prior['step_cost_per_token_ms']} ms per scored token)")
-    return p
+    pricing = (f"; drafts priced at this engine's roofline at a {int(context_tokens)}-token context "
+               f"({prior['step_cost_fixed_ms']} ms + {prior['step_cost_per_request_ms']} ms per request + "
+               f"{prior['step_cost_per_token_ms']} ms per scored token)")
+    return measure(trace, replace(HistoSpecConfig(), **prior), repeats=repeats, host=host, pricing=pricing)
 
 
 def load(path: Optional[str | Path]) -> Optional[SpecProfile]:
@@ -192,6 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import sys
 
     from rhymerl.histopipe import calibration
+    from rhymerl.histopipe.simulator import build_parser
     from rhymerl.traces import TraceError
 
     ap = argparse.ArgumentParser(prog="python -m rhymerl.histopipe.spec_profile",
@@ -199,7 +201,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  "for the cluster simulator's projection.")
     ap.add_argument("trace", help="rollout trace JSONL with at least two epochs")
     ap.add_argument("--calibration", default=None, help="cost-model calibration JSON (default: the shipped roofline file)")
-    ap.add_argument("--context", type=float, default=256 + 16384 / 2,
+    sim = build_parser()
+    ap.add_argument("--context", type=float, default=sim.get_default("prompt_len") + sim.get_default("max_tokens") / 2,
                     help="a typical row's context in tokens, for the drafts' prices (default: the simulator's "
                     "default prompt plus half its default max tokens)")
     ap.add_argument("--repeats", type=int, default=5, help="replays; the proposer time is their median")
@@ -207,11 +210,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     try:
         cost, source, whole = calibration.load(args.calibration)
-        prof = measure_for_engine(args.trace, cost, args.context, args.repeats)
+        prof = measure_for_engine(args.trace, cost, args.context, args.repeats,
+                                  host=f"a {os.cpu_count()}-core {platform.machine()} host")
     except (ValueError, TraceError, OSError) as e:
         print(f"spec_profile: {e}", file=sys.stderr)
         return 2
-    prof.source = prof.source.replace("on the replaying host", f"on a {os.cpu_count()}-core {platform.machine()} host")
     print(json.dumps(prof.to_dict(), indent=1))
     if args.write:
         extra = {k: v for k, v in whole.items() if k not in ("source", "cost")}

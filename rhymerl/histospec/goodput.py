@@ -452,17 +452,18 @@ def draft_can_pay(factor: float, rates: Sequence[float], cap: int, lam: float, p
     gives this request no draft whatever its chain: skipping the chain's search changes
     nothing but the time spent.
     """
-    p, net, best = 1.0, -lam * per_drow, 0.0
+    # As in plan_step: the tokens whose gain beats their price, then the drafting row's price.
+    # Gains never rise along a chain, so the net only grows until the first token that does
+    # not pay, and no later token pays either.
+    p, net = 1.0, -lam * per_drow
     tok = lam * per_tok
     for a in rates[:cap]:
         x = factor * a
         p *= x if x < 1.0 else 1.0
         if p <= tok or p <= 0.0:
-            break  # gains never rise along a chain: no later token pays either
+            break
         net += p - tok
-        if net > best:
-            best = net
-    return best > lam * evaluation_s
+    return net > lam * evaluation_s
 
 
 def remaining_cap(generated: int, predicted_len: Optional[float], margin: float) -> Optional[int]:

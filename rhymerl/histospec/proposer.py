@@ -376,7 +376,7 @@ class DraftProposer:
             fixed, per_req, per_tok, per_drow = self.cost.planning_coef
             lam0 = len(items) / (fixed + (per_req + per_tok) * len(items)) if items else 0.0
             acc = self.acceptance
-        searched, search_s, skipped_before = 0, 0.0, st["searches_skipped"]
+        searched, skipped, search_s = 0, 0, 0.0
         clock = time.perf_counter
         for req_id, generated, max_len in items:
             st["calls"] += 1
@@ -406,7 +406,7 @@ class DraftProposer:
                 if not any(draft_can_pay(f, acc.source_rates(src, cap), cap, lam0, per_tok, per_drow, self._search_s)
                            for src, m in (("history", r.hist), ("group", r.sib), ("global", r.glob))
                            if m is not None and m.sam.num_tokens):
-                    st["searches_skipped"] += 1
+                    skipped += 1
                     if r.sib is not None and r.group in self._groups:
                         self._push_group(r, self._groups[r.group], generated)
                     cands.append(None)
@@ -452,12 +452,13 @@ class DraftProposer:
             st["steps_without_drafts"] += 1
         st["draft_time_s"] += time.perf_counter() - t0
         st["searches"] += searched
+        st["searches_skipped"] += skipped
         if cfg.step_cost == "measured":
             if searched:
                 # The searches alone: with the step's other work in it, a step that skipped most
                 # requests would price the few searches it made ever higher, and skip more.
                 self._search_s += 0.05 * (search_s / searched - self._search_s)
-            elif st["searches_skipped"] > skipped_before:
+            elif skipped:
                 # Nothing searched, nothing measured: an overestimate would stand for good.
                 # Lowering it step by step lets searches resume, and measure it again.
                 self._search_s *= 0.9
