@@ -21,16 +21,19 @@ from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
 from rhymerl.training.megatron_backend import DTYPES, combine_metrics
 from rhymerl.training.micro_loss import micro_batch_loss
-from rhymerl.training.microbatch import pad_columns, policy_micro_batches, split_policy_rows, unpermute_rows
+from rhymerl.training.microbatch import (pad_columns, policy_micro_batches, split_policy_rows, unpermute_rows,
+                                         unscored_prefix)
 from rhymerl.training.process_groups import ProcessGroups
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[B, T] log p(x_t | x_<t) from full logits [B, T, V] (0 at t = 0)."""
+    """[B, T] log p(x_t | x_<t) from the logits [B, K, V] of the last K positions; 0 where
+    nothing was scored (t = 0 and the positions before the last K)."""
     if temperature != 1.0:
         logits = logits / temperature
-    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None])[..., 0]
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    T, K = input_ids.shape[1], logits.shape[1]
+    lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, T - K + 1:, None])[..., 0]
+    return torch.cat([lp.new_zeros(lp.shape[0], T - lp.shape[1]), lp], dim=1)
 
 
 def deepspeed_config(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, dtype: str) -> dict:
@@ -92,8 +95,10 @@ class DeepSpeedBackend:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward_lp(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.engine(input_ids=ids.to(self.groups.device)).logits
+    def _forward_lp(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # Logits only where they score a response token (see ``unscored_prefix``).
+        keep = ids.shape[1] - unscored_prefix(mask)
+        logits = self.engine(input_ids=ids.to(self.groups.device), logits_to_keep=keep).logits
         return token_logprobs(logits, ids.to(logits.device), self.temperature)
 
     def _gather_dp(self, local: torch.Tensor, rows_per_rank: int) -> torch.Tensor:
@@ -108,11 +113,12 @@ class DeepSpeedBackend:
     def compute_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         g = self.groups
         B, T = input_ids.shape
-        plan, perm, micro = split_policy_rows({"input_ids": input_ids.long()}, response_mask, g.dp_size, g.dp_rank,
+        plan, perm, micro = split_policy_rows({"input_ids": input_ids.long(), "mask": response_mask.float()},
+                                              response_mask, g.dp_size, g.dp_rank,
                                               self.algo_cfg.micro_batch_tokens, fixed_shape=False)
         self.engine.eval()
         with torch.no_grad():
-            local = torch.cat([pad_columns(self._forward_lp(m["input_ids"]), T) for m in micro])
+            local = torch.cat([pad_columns(self._forward_lp(m["input_ids"], m["mask"]), T) for m in micro])
         if self.optimizer is not None:
             self.engine.train()
         full = unpermute_rows(self._gather_dp(local.float(), plan.rows_per_rank), perm)
@@ -142,7 +148,7 @@ class DeepSpeedBackend:
             if progress is not None:
                 progress.update(i, tokens=tokens_seen)
             tokens_seen += int(mb["input_ids"].numel())
-            lp = self._forward_lp(mb["input_ids"])
+            lp = self._forward_lp(mb["input_ids"], mb["mask"])
             loss, metrics = micro_batch_loss(loss_fn, lp, mb, self.algo_cfg, num_tokens, float(B))
             self.engine.set_gradient_accumulation_boundary(i == plan.num_micro - 1)
             # DeepSpeed averages gradients over DP ranks; the loss is already this shard's share.

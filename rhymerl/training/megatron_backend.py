@@ -26,7 +26,7 @@ from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.micro_loss import micro_batch_loss
 from rhymerl.training.microbatch import (pad_columns, plan_micro_batches, policy_micro_batches, rank_slice,
-                                        split_micro, split_policy_rows, unpermute_rows)
+                                        split_micro, split_policy_rows, unpermute_rows, unscored_prefix)
 from rhymerl.training.process_groups import ProcessGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -187,8 +187,10 @@ class MegatronBackend:
         ).to(groups.device)
         # load_weights=False leaves the weights uninitialised for a checkpoint load to fill.
         self._load_hf_weights(model, SafetensorsReader(self.model_path) if load_weights else None)
-        if groups.is_last_stage and self.temperature != 1.0:
-            model.output_layer.register_forward_pre_hook(self._scale_output_input, with_kwargs=True)
+        # Positions the output layer skips in the current forward (``_run`` sets it per micro-batch).
+        self._unscored_prefix = 0
+        if groups.is_last_stage:
+            model.output_layer.register_forward_pre_hook(self._output_layer_input, with_kwargs=True)
         self.module = model
         self.model = model
         self.optimizer = None
@@ -241,10 +243,18 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ forward
 
-    def _scale_output_input(self, module, args, kwargs):
+    def _output_layer_input(self, module, args, kwargs):
+        # The prompt's positions before its last token predict nothing that is scored, yet the
+        # output layer and the cross entropy over the vocabulary cost a fifth of a step's FLOPs
+        # per position in a small model: the [s, b, h] input is cut to the scored positions.
+        h = args[0]
+        if self._unscored_prefix:
+            h = h[self._unscored_prefix:]
         # logits / T == (hidden / T) @ W: dividing the [tokens, hidden] input spares a pass over
         # the [tokens, vocabulary] logits, which megatron's loss path never hands back to us.
-        return (args[0] / self.temperature,) + tuple(args[1:]), kwargs
+        if self.temperature != 1.0:
+            h = h / self.temperature
+        return (h,) + tuple(args[1:]), kwargs
 
     @staticmethod
     def _next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
@@ -252,11 +262,12 @@ class MegatronBackend:
         return torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
 
     @staticmethod
-    def _token_logprobs(nll: torch.Tensor) -> torch.Tensor:
-        """[B, T] log p(x_t | x_<t) (0 at t = 0) from megatron's per-position cross entropy
-        against ``_next_token_targets``."""
+    def _token_logprobs(nll: torch.Tensor, width: int) -> torch.Tensor:
+        """[B, width] log p(x_t | x_<t) from megatron's per-position cross entropy against
+        ``_next_token_targets``, which covers the last ``nll.shape[1]`` positions; 0 where
+        nothing was scored (t = 0 and the skipped prompt positions)."""
         lp = -nll[:, :-1]
-        return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        return torch.cat([lp.new_zeros(lp.shape[0], width - lp.shape[1]), lp], dim=1)
 
     def _recompute_over(self, tokens: int) -> bool:
         """Whether a training micro-batch of ``tokens`` recomputes its layers in backward: it is
@@ -301,13 +312,19 @@ class MegatronBackend:
             # vocab-parallel cross entropy, which turns them into its softmax in place: one
             # logits buffer per micro-batch, the largest tensor of a step. Without labels it
             # returns a [b, s, V] copy, and its backward a contiguous copy of the gradient.
-            labels = self._next_token_targets(ids) if with_labels else None
-            if forward_only or not self._recompute_over(ids.numel()):
-                out = model(ids, pos, None, labels=labels)
-            else:
-                self.recomputed_micro_batches += 1
-                with self._full_recompute():
+            labels = None
+            if with_labels:
+                self._unscored_prefix = unscored_prefix(mb["mask"])
+                labels = self._next_token_targets(ids)[:, self._unscored_prefix:]
+            try:
+                if forward_only or not self._recompute_over(ids.numel()):
                     out = model(ids, pos, None, labels=labels)
+                else:
+                    self.recomputed_micro_batches += 1
+                    with self._full_recompute():
+                        out = model(ids, pos, None, labels=labels)
+            finally:
+                self._unscored_prefix = 0
             return out, partial(loss_func, mb)
 
         out = get_forward_backward_func()(
@@ -327,11 +344,12 @@ class MegatronBackend:
     def compute_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
         g = self.groups
         B, T = input_ids.shape
-        plan, perm, micro = split_policy_rows({"input_ids": input_ids.long()}, response_mask, g.dp_size, g.dp_rank,
+        plan, perm, micro = split_policy_rows({"input_ids": input_ids.long(), "mask": response_mask.float()},
+                                              response_mask, g.dp_size, g.dp_rank,
                                               self.algo_cfg.micro_batch_tokens, fixed_shape=g.pp_size > 1)
 
         def loss_func(mb, nll):
-            lp = self._token_logprobs(nll)
+            lp = self._token_logprobs(nll, mb["input_ids"].shape[1])
             return lp.sum() * 0.0, {"logprobs": pad_columns(lp.detach().float().cpu(), T)}
 
         self.model.eval()
@@ -401,7 +419,7 @@ class MegatronBackend:
         scale = plan.num_micro * g.dp_size
 
         def loss_func(mb, nll):
-            lp = self._token_logprobs(nll)
+            lp = self._token_logprobs(nll, mb["input_ids"].shape[1])
             loss, metrics = micro_batch_loss(loss_fn, lp, mb, self.algo_cfg, num_tokens, float(B))
             metrics["loss_share"] = float(loss.detach())
             return loss * scale, metrics

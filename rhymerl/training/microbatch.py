@@ -73,6 +73,14 @@ def length_order(lengths: torch.Tensor, plan: MicroBatchPlan, dp_size: int) -> t
     return torch.tensor([row for part in dealt for row in part], dtype=torch.long)
 
 
+def unscored_prefix(mask: torch.Tensor) -> int:
+    """Leading positions of a [rows, T] micro-batch whose logits score no response token: all
+    before the one that predicts its first response token. The output layer and the cross
+    entropy over the vocabulary need not run on them."""
+    cols = (mask > 0).any(dim=0).nonzero()
+    return max(int(cols[0]) - 1, 0) if cols.numel() else max(mask.shape[1] - 1, 0)
+
+
 def trim_columns(micro: dict, lengths: torch.Tensor) -> dict:
     """A micro-batch cut to its longest row; per-row fields (1-D) stay as they are."""
     width = max(int(lengths.max()), 1) if lengths.numel() else 1

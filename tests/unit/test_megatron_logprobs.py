@@ -32,6 +32,7 @@ def _batch():
     ids = torch.randint(3, 300, (3, 12), generator=g)
     mask = torch.zeros(3, 12)
     mask[:, 4:] = 1
+    mask[1, :6] = 0
     mask[2, 9:] = 0
     weights = torch.tensor([1.0, -0.5, 0.25])
     return ids, mask, weights
@@ -71,11 +72,20 @@ def test_logprobs_and_gradient_match_hf_log_softmax(one_rank, tiny_model_dir, te
     algo = AlgorithmConfig(lr=1e-2, micro_batch_tokens=micro_batch_tokens, grad_clip=0.0)
     b = MegatronBackend(ParallelConfig(recompute_over_budget=over_budget), algo, tiny_model_dir,
                         one_rank(), temperature=temperature, loss_fn=weighted_logprob_sum)
+    # Positions the output layer sees: only from the one that predicts a micro-batch's first
+    # response token on: 3 of 12 with every row in one micro-batch; one row apiece, 3 of 12, 5 of
+    # 12, and 3 of the 9 the last row's micro-batch is cut to.
+    seen: list[int] = []
+    b.module.output_layer.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape[0]))
     lp = b.compute_logprobs(ids, mask)
+    per_row = sorted([12 - 3, 12 - 5, 9 - 3])
+    assert sorted(seen) == (per_row if micro_batch_tokens < 12 else [12 - 3])
     torch.testing.assert_close(lp, ref_lp, rtol=1e-4, atol=1e-5)
     assert (ref_lp != 0).sum() == mask.sum()
 
+    seen.clear()
     out = b.train_step(PolicyBatch(ids, mask, weights))
+    assert sorted(seen) == (per_row if micro_batch_tokens < 12 else [12 - 3])
     recomputed = 3 if micro_batch_tokens < 12 and over_budget else 0
     assert b.recomputed_micro_batches == out.extra["recomputed_micro_batches"] == recomputed
     assert b.config.recompute_granularity is None  # switched for those forwards only

@@ -87,3 +87,32 @@ def test_length_order_balances_ranks():
     perm = length_order(torch.tensor([1, 9, 2, 8, 3, 7]), plan, 2)
     # Longest first, dealt in turn: each rank gets one of the two longest rows.
     assert perm.tolist() == [1, 5, 2, 3, 4, 0]
+
+
+def test_unscored_prefix_keeps_the_position_that_predicts_the_first_response_token():
+    from rhymerl.training.microbatch import unscored_prefix
+
+    mask = torch.zeros(3, 10)
+    mask[0, 6:9] = 1
+    mask[1, 4:7] = 1  # the earliest response token of the micro-batch: position 3 predicts it
+    assert unscored_prefix(mask) == 3
+    assert unscored_prefix(mask[:1]) == 5
+    # A response from position 1 (or 0) leaves nothing to skip; an all-padding micro-batch
+    # keeps one position so the forward still has an output.
+    mask[2, 1] = 1
+    assert unscored_prefix(mask) == 0
+    assert unscored_prefix(torch.zeros(2, 7)) == 6
+
+
+def test_logprobs_from_the_last_positions_equal_the_full_ones():
+    from rhymerl.training.deepspeed_backend import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (2, 9), generator=g)
+    logits = torch.randn(2, 9, 50, generator=g)
+    full = token_logprobs(logits, ids, temperature=0.7)
+    # Logits of the last 5 positions score tokens 5..8; everything before is 0.
+    cut = token_logprobs(logits[:, 4:], ids, temperature=0.7)
+    assert cut.shape == full.shape
+    torch.testing.assert_close(cut[:, 5:], full[:, 5:])
+    assert (cut[:, :5] == 0).all() and (full[:, 1:5] != 0).all()
