@@ -526,17 +526,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {p}: top level must be a mapping")
         data = loaded
-    over: dict = {}
-    for o in overrides:
-        k, v = parse_override(o)
-        _set_dotted(over, k, v)
-    merged = _deep_merge(data, over)
+    merged = with_overrides(data, overrides)
     cfg = _build(RunConfig, merged)
     expand_paths(cfg)
     check_static(cfg)
     if report_unused:
         report_ignored(cfg, set(_flat_keys(merged)))
     return cfg
+
+
+def with_overrides(data: dict, overrides: list[str] | tuple[str, ...]) -> dict:
+    """``data`` (a config as a dict) with ``key.sub=value`` overrides merged in."""
+    over: dict = {}
+    for o in overrides:
+        k, v = parse_override(o)
+        _set_dotted(over, k, v)
+    return _deep_merge(data, over)
 
 
 def from_dict(data: dict) -> RunConfig:

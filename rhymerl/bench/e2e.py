@@ -2,6 +2,9 @@
 
 `python -m rhymerl bench e2e [--config configs/tiny-cpu.yaml] [--epochs 2] [--methods ngram,suffix,histospec] [--json] [key=value ...]`
 
+A method may carry overrides of its own, ``method@key=value@key=value`` (an ablation in the
+same process, e.g. ``histospec@histospec.step_cost=measured``); its label is the whole string.
+
 Runs the same config from the same seed once per variant: accelerations off
 (rollout.speculative=none, histopipe.enabled=false), then for each method of --methods the
 same RL loop with that drafter and HistoPipe on (``histospec`` is RhymeRL's "on"; ``ngram``
@@ -22,12 +25,19 @@ from pathlib import Path
 PHASES = ("plan", "rollout", "reward", "train", "reshard")
 
 
-def _run_variant(base_cfg, groups, method: str, epochs: int, run_dir: Path) -> dict:
+def split_method(spec: str) -> tuple[str, list[str]]:
+    """``method@key=value@...`` -> (method, [key=value, ...])."""
+    name, *overrides = spec.split("@")
+    return name.strip(), [o.strip() for o in overrides if o.strip()]
+
+
+def _run_variant(base_cfg, groups, spec: str, epochs: int, run_dir: Path) -> dict:
     from rhymerl.collectives import WorldComm
-    from rhymerl.config import from_dict, to_dict
+    from rhymerl.config import from_dict, to_dict, with_overrides
     from rhymerl.trainer import Trainer
 
-    d = to_dict(base_cfg)
+    method, overrides = split_method(spec)
+    d = with_overrides(to_dict(base_cfg), overrides)
     d["run"]["output_dir"] = str(run_dir)
     d["run"]["epochs"] = epochs
     d["run"]["max_steps"] = 0
@@ -43,7 +53,7 @@ def _run_variant(base_cfg, groups, method: str, epochs: int, run_dir: Path) -> d
             out = trainer.train_step()
             m = out.metrics
             rows.append(step_row(out.epoch, m))
-            print(f"[bench e2e] {method if on else 'off'} step {out.step} epoch {out.epoch} "
+            print(f"[bench e2e] {spec if on else 'off'} step {out.step} epoch {out.epoch} "
                   f"step {m['time/step_s']:.2f}s rollout {m.get('time/rollout_s', 0):.2f}s "
                   f"train {m.get('time/train_s', 0):.2f}s reward {m['reward/mean']:.3f} "
                   f"tok/fwd {rows[-1]['tokens_per_forward']:.2f}", file=sys.stderr)
@@ -108,23 +118,33 @@ def main(argv: list[str]) -> int:
     if args.epochs < 2:
         ap.error("--epochs must be >= 2: epoch 1 has no history")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if split_method(m)[0] not in METHODS]
     if bad or not methods:
         ap.error(f"--methods: unknown {bad or methods}; allowed: {', '.join(METHODS)}")
     from rhymerl.bench.rollout import quiet_stdout
+    from rhymerl.config import ConfigError, from_dict, load_config, to_dict, with_overrides
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, ValueError) as e:
+        ap.error(str(e))
+    for spec in methods:
+        # A method's own overrides fail here, on the run's config, before any variant has run for minutes.
+        try:
+            from_dict(with_overrides(to_dict(cfg), split_method(spec)[1]))
+        except (ConfigError, ValueError) as e:
+            ap.error(f"--methods {spec}: {e}")
 
     with quiet_stdout():
-        out = _run(args, methods)
+        out = _run(args, methods, cfg)
     if args.json:
         print(json.dumps(out))
     return 0
 
 
-def _run(args, methods: list[str]) -> dict:
-    from rhymerl.config import load_config
+def _run(args, methods: list[str], cfg) -> dict:
     from rhymerl.training.process_groups import init_process_groups
 
-    cfg = load_config(args.config, args.overrides)
     groups = init_process_groups(cfg.parallel, 1, 0)
     t0 = time.time()
     # Every trainer stays alive until the end: shutting down the last live vLLM engine tears
@@ -134,7 +154,8 @@ def _run(args, methods: list[str]) -> dict:
     try:
         for method in ["none", *methods]:
             label = "off" if method == "none" else method
-            variants[label], t = _run_variant(cfg, groups, method, args.epochs, Path(args.out) / label)
+            variants[label], t = _run_variant(cfg, groups, method, args.epochs,
+                                              Path(args.out) / label.replace("@", "+").replace("=", "-"))
             trainers.append(t)
     finally:
         for t in reversed(trainers):

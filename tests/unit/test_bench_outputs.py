@@ -102,3 +102,23 @@ def test_e2e_ratios_compare_equal_work():
     idle = variant(1.0, 0.0, 0.0)
     add_ratios(idle, off)
     assert idle["rollout_speedup_per_token"] == 0.0 and idle["step_speedup_at_equal_work"] == 0.0
+
+
+def test_e2e_method_carries_its_own_overrides():
+    from rhymerl.bench import e2e
+    from rhymerl.config import RunConfig, from_dict, to_dict, with_overrides
+
+    name, over = e2e.split_method("histospec@histospec.step_cost=measured@rollout.n=2")
+    assert name == "histospec" and over == ["histospec.step_cost=measured", "rollout.n=2"]
+    assert e2e.split_method("ngram") == ("ngram", [])
+    cfg = from_dict(with_overrides(to_dict(RunConfig()), over))
+    assert cfg.histospec.step_cost == "measured" and cfg.rollout.n == 2
+
+
+def test_e2e_rejects_a_bad_method_override_before_running(capsys):
+    from rhymerl.bench import e2e
+
+    with pytest.raises(SystemExit) as exc:
+        e2e.main(["--methods", "histospec,histospec@histospec.max_draft=x"])
+    assert exc.value.code == 2
+    assert "histospec.max_draft: expected an integer" in capsys.readouterr().err
