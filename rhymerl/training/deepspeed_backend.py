@@ -21,8 +21,8 @@ from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
 from rhymerl.training.megatron_backend import DTYPES, combine_metrics
 from rhymerl.training.micro_loss import micro_batch_loss
-from rhymerl.training.microbatch import (pad_columns, policy_micro_batches, split_policy_rows, unpermute_rows,
-                                         unscored_prefix)
+from rhymerl.training.microbatch import (left_pad_columns, pad_columns, policy_micro_batches, split_policy_rows,
+                                         unpermute_rows, unscored_prefix)
 from rhymerl.training.process_groups import ProcessGroups
 
 
@@ -33,7 +33,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
         logits = logits / temperature
     T, K = input_ids.shape[1], logits.shape[1]
     lp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, T - K + 1:, None])[..., 0]
-    return torch.cat([lp.new_zeros(lp.shape[0], T - lp.shape[1]), lp], dim=1)
+    return left_pad_columns(lp, T)
 
 
 def deepspeed_config(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, dtype: str) -> dict:

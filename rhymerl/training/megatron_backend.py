@@ -25,8 +25,8 @@ from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint, shield_megatron_writer
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.micro_loss import micro_batch_loss
-from rhymerl.training.microbatch import (pad_columns, plan_micro_batches, policy_micro_batches, rank_slice,
-                                        split_micro, split_policy_rows, unpermute_rows, unscored_prefix)
+from rhymerl.training.microbatch import (left_pad_columns, pad_columns, plan_micro_batches, policy_micro_batches,
+                                        rank_slice, split_micro, split_policy_rows, unpermute_rows, unscored_prefix)
 from rhymerl.training.process_groups import ProcessGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -266,8 +266,7 @@ class MegatronBackend:
         """[B, width] log p(x_t | x_<t) from megatron's per-position cross entropy against
         ``_next_token_targets``, which covers the last ``nll.shape[1]`` positions; 0 where
         nothing was scored (t = 0 and the skipped prompt positions)."""
-        lp = -nll[:, :-1]
-        return torch.cat([lp.new_zeros(lp.shape[0], width - lp.shape[1]), lp], dim=1)
+        return left_pad_columns(-nll[:, :-1], width)
 
     def _recompute_over(self, tokens: int) -> bool:
         """Whether a training micro-batch of ``tokens`` recomputes its layers in backward: it is

@@ -119,6 +119,14 @@ def pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:]))], dim=1)
 
 
+def left_pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` [B, k] as [B, width], zeros before it: per-token values scored only on the last
+    k positions (the output layer skips the prompt positions that score nothing)."""
+    if t.shape[1] == width:
+        return t
+    return torch.cat([t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:])), t], dim=1)
+
+
 def policy_micro_batches(batch, dp_size: int, dp_rank: int, micro_batch_tokens: int,
                          fixed_shape: bool = True) -> tuple[MicroBatchPlan, list[dict]]:
     """This DP rank's micro-batches of a ``PolicyBatch`` as dicts of input_ids / mask /

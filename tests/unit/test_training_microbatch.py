@@ -103,16 +103,3 @@ def test_unscored_prefix_keeps_the_position_that_predicts_the_first_response_tok
     assert unscored_prefix(mask) == 0
     assert unscored_prefix(torch.zeros(2, 7)) == 6
 
-
-def test_logprobs_from_the_last_positions_equal_the_full_ones():
-    from rhymerl.training.deepspeed_backend import token_logprobs
-
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 50, (2, 9), generator=g)
-    logits = torch.randn(2, 9, 50, generator=g)
-    full = token_logprobs(logits, ids, temperature=0.7)
-    # Logits of the last 5 positions score tokens 5..8; everything before is 0.
-    cut = token_logprobs(logits[:, 4:], ids, temperature=0.7)
-    assert cut.shape == full.shape
-    torch.testing.assert_close(cut[:, 5:], full[:, 5:])
-    assert (cut[:, :5] == 0).all() and (full[:, 1:5] != 0).all()

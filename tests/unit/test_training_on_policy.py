@@ -105,3 +105,25 @@ def test_on_policy_micro_batches_carry_engine_logprobs_for_the_agreement_check()
     assert got["max_abs"] == pytest.approx(1.25, abs=1e-5)
     assert got["mean_abs"] == pytest.approx((0.25 * n + 1.0) / n, abs=1e-5)
     assert got["tokens"] == n and "engine_lp_diff_max" not in extra
+
+
+def test_logprobs_from_the_last_positions_equal_the_full_ones():
+    from rhymerl.training.deepspeed_backend import token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (2, 9), generator=g)
+    logits = torch.randn(2, 9, 50, generator=g)
+    full = token_logprobs(logits, ids, temperature=0.7)
+    # Logits of the last 5 positions score tokens 5..8; everything before is 0.
+    cut = token_logprobs(logits[:, 4:], ids, temperature=0.7)
+    assert cut.shape == full.shape
+    torch.testing.assert_close(cut[:, 5:], full[:, 5:])
+    assert (cut[:, :5] == 0).all() and (full[:, 1:5] != 0).all()
+
+
+def test_left_pad_columns_puts_zeros_before_the_scored_positions():
+    from rhymerl.training.microbatch import left_pad_columns
+
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    assert left_pad_columns(x, 4).tolist() == [[0.0, 0.0, 1.0, 2.0], [0.0, 0.0, 3.0, 4.0]]
+    assert left_pad_columns(x, 2) is x
