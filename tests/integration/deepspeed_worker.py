@@ -38,7 +38,16 @@ def main() -> None:
         groups = groups or init_process_groups(pc, world, rank)
         backend = build_backend(pc, algo, Path(args.model), groups, seed=0)
         probe, _ = make_batch(3, 384)
+        # The positions each forward feeds and those its output layer sees (logits_to_keep).
+        seen: list[list[int]] = []
+        model = backend.engine.module
+        hooks = [model.register_forward_pre_hook(lambda _m, _a, kw: seen.append([kw["input_ids"].shape[1]]),
+                                                 with_kwargs=True),
+                 model.get_output_embeddings().register_forward_pre_hook(lambda _m, a: seen[-1].append(a[0].shape[1]))]
         lp_start = backend.compute_logprobs(probe.input_ids, probe.response_mask)
+        for h in hooks:
+            h.remove()
+        results[f"zero{stage}_positions"] = seen
         losses = []
         for seed in (1, 2):
             batch, g = make_batch(seed, 384)
@@ -58,8 +67,8 @@ def main() -> None:
             torch.save(lp, out / f"zero{stage}_lp.pt")
             torch.save(lp_start, out / f"zero{stage}_lp_start.pt")
         results[f"zero{stage}"] = losses
-    if rank == 0:
-        (out / "results.json").write_text(json.dumps(results))
+    # Each rank writes its own results: the positions its forwards saw are its own.
+    (out / f"results_rank{rank}.json").write_text(json.dumps(results))
     destroy_process_groups()
 
 

@@ -62,7 +62,7 @@ def test_zero_step_matches_torch_adamw(ds_run, torch_reference, tiny_model_dir, 
     from safetensors.torch import load_file
 
     ref_losses, ref_weights = torch_reference
-    results = json.loads((ds_run / "results.json").read_text())
+    results = json.loads((ds_run / "results_rank0.json").read_text())
     assert results[f"zero{stage}"] == pytest.approx(ref_losses, abs=1e-5)
     got = load_file(str(ds_run / f"zero{stage}.safetensors"))
     start = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -83,6 +83,17 @@ def test_zero_logprobs_agree_across_stages(ds_run):
     assert torch.all(lps[0] <= 0) and lps[0].abs().sum() > 0
     for lp in lps[1:]:
         assert (lp - lps[0]).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_output_layer_runs_only_from_the_first_scored_position(ds_run, stage):
+    # Every probe row's response starts at position 5, so position 4 predicts the first
+    # response token and the 4 positions before it score nothing: each forward's output
+    # layer (logits_to_keep) sees 4 positions fewer than its input, on every rank.
+    for rank in (0, 1):
+        seen = json.loads((ds_run / f"results_rank{rank}.json").read_text())[f"zero{stage}_positions"]
+        assert seen and all(len(s) == 2 for s in seen)
+        assert all(head == width - 4 for width, head in seen), seen
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -111,7 +122,7 @@ def test_zero_logprobs_after_training_are_those_of_its_weights(ds_run, tiny_mode
 
 
 def test_zero3_checkpoint_continues_with_same_loss(ds_run):
-    results = json.loads((ds_run / "results.json").read_text())
+    results = json.loads((ds_run / "results_rank0.json").read_text())
     assert results["loss_after_load"] == pytest.approx(results["loss_continued"], abs=1e-6)
 
 
