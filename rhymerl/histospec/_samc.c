@@ -264,12 +264,197 @@ done:
     return res;
 }
 
+/* ---------------------------------------------------------------- drafting reads
+ *
+ * The proposer's per-step reads of a frozen index, the same walks as the pure-Python
+ * _Match.advance and _chain_from/_walk (rhymerl.histospec.proposer), token for token:
+ * matching a request's new tokens and reading the greedy chain after the match. They run
+ * once per drafting request per engine step, so in Python they were most of the
+ * proposer's time. The columns are the frozen automaton's arrays, each of the narrowest
+ * integer type that holds it; a view holds their buffers (and so the arrays) alive.
+ */
+typedef struct {
+    const char *p;
+    char code;
+} Col;
+
+typedef struct {
+    Py_buffer buf[6];
+    int nbuf;
+    Col ln, link, cnt, off, etok, edst;
+    Py_ssize_t nstates;
+} View;
+
+static inline int64_t col(const Col *c, Py_ssize_t i) {
+    switch (c->code) {
+    case 'h': return ((const int16_t *)c->p)[i];
+    case 'H': return ((const uint16_t *)c->p)[i];
+    case 'i': return ((const int32_t *)c->p)[i];
+    case 'I': return ((const uint32_t *)c->p)[i];
+    case 'l': return ((const long *)c->p)[i];
+    case 'L': return (int64_t)((const unsigned long *)c->p)[i];
+    default: return ((const int64_t *)c->p)[i]; /* 'q' */
+    }
+}
+
+static void view_free(PyObject *cap) {
+    View *v = PyCapsule_GetPointer(cap, "rhymerl.samc.view");
+    if (!v) return;
+    for (int i = 0; i < v->nbuf; i++) PyBuffer_Release(&v->buf[i]);
+    free(v);
+}
+
+static PyObject *view(PyObject *self, PyObject *args) {
+    PyObject *cols[6];
+    if (!PyArg_ParseTuple(args, "OOOOOO", &cols[0], &cols[1], &cols[2], &cols[3], &cols[4], &cols[5])) return NULL;
+    View *v = calloc(1, sizeof(View));
+    if (!v) return PyErr_NoMemory();
+    Col *dst[6] = {&v->ln, &v->link, &v->cnt, &v->off, &v->etok, &v->edst};
+    for (int i = 0; i < 6; i++) {
+        Py_buffer *b = &v->buf[i];
+        if (PyObject_GetBuffer(cols[i], b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto fail;
+        v->nbuf++;
+        const char *f = b->format ? b->format : "B";
+        if (f[0] == '@' || f[0] == '=') f++;
+        char code = f[0];
+        size_t want = code == 'h' || code == 'H' ? 2 : code == 'i' || code == 'I' ? 4
+                    : code == 'l' || code == 'L' ? sizeof(long) : code == 'q' ? 8 : 0;
+        if (!want || f[1] || (size_t)b->itemsize != want) {
+            PyErr_Format(PyExc_TypeError, "view: column %d has format %s, not a signed or unsigned integer", i,
+                         b->format ? b->format : "?");
+            goto fail;
+        }
+        dst[i]->p = b->buf;
+        dst[i]->code = code;
+    }
+    v->nstates = v->buf[0].len / v->buf[0].itemsize;
+    if (v->buf[1].len / v->buf[1].itemsize != v->nstates || v->buf[2].len / v->buf[2].itemsize != v->nstates
+        || v->buf[3].len / v->buf[3].itemsize != v->nstates + 1
+        || v->buf[4].len / v->buf[4].itemsize != v->buf[5].len / v->buf[5].itemsize) {
+        PyErr_SetString(PyExc_ValueError, "view: column lengths do not form one automaton");
+        goto fail;
+    }
+    PyObject *cap = PyCapsule_New(v, "rhymerl.samc.view", view_free);
+    if (cap) return cap;
+fail:
+    for (int i = 0; i < v->nbuf; i++) PyBuffer_Release(&v->buf[i]);
+    free(v);
+    return NULL;
+}
+
+/* Child of state s on token c, or -1: the first edge (the preferred child), else a
+ * bisection of the others, which are in token order. */
+static inline int64_t trans_of(const View *v, int64_t s, int64_t c) {
+    Py_ssize_t lo = (Py_ssize_t)col(&v->off, s), hi = (Py_ssize_t)col(&v->off, s + 1);
+    if (lo == hi) return -1;
+    if (col(&v->etok, lo) == c) return col(&v->edst, lo);
+    lo++;
+    Py_ssize_t a = lo, b = hi;
+    while (a < b) {
+        Py_ssize_t m = a + (b - a) / 2;
+        if (col(&v->etok, m) < c) a = m + 1; else b = m;
+    }
+    return a < hi && col(&v->etok, a) == c ? col(&v->edst, a) : -1;
+}
+
+static View *view_of(PyObject *cap) {
+    return PyCapsule_GetPointer(cap, "rhymerl.samc.view");
+}
+
+static PyObject *advance(PyObject *self, PyObject *args) {
+    PyObject *cap, *gen;
+    long long st, ln, start, n, window, start_tok;
+    if (!PyArg_ParseTuple(args, "OLLOLLLL", &cap, &st, &ln, &gen, &start, &n, &window, &start_tok)) return NULL;
+    View *v = view_of(cap);
+    if (!v) return NULL;
+    PyObject *fast = PySequence_Fast(gen, "advance: generated must be a sequence");
+    if (!fast) return NULL;
+    Py_ssize_t glen = PySequence_Fast_GET_SIZE(fast);
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    if (start < 0 || n > glen + 1 || st < 0 || st >= v->nstates) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_IndexError, "advance: positions out of range");
+        return NULL;
+    }
+    for (long long i = start; i < n; i++) {
+        long long c = start_tok;
+        if (i) {
+            c = PyLong_AsLongLong(items[i - 1]);
+            if (c == -1 && PyErr_Occurred()) { Py_DECREF(fast); return NULL; }
+        }
+        for (;;) {
+            int64_t q = trans_of(v, st, c);
+            if (q >= 0) { st = q; ln++; break; }
+            if (st == 0) { ln = 0; break; }
+            st = col(&v->link, st);
+            ln = col(&v->ln, st);
+        }
+        if (ln > window) {
+            ln = window;
+            while (col(&v->ln, col(&v->link, st)) >= window) st = col(&v->link, st);
+        }
+    }
+    Py_DECREF(fast);
+    return Py_BuildValue("(LL)", st, ln);
+}
+
+static PyObject *chain(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    long long st, ln, min_match, limit, conf_limit;
+    double min_prob, conf;
+    if (!PyArg_ParseTuple(args, "OLLLLLdd", &cap, &st, &ln, &min_match, &limit, &conf_limit, &min_prob, &conf))
+        return NULL;
+    View *v = view_of(cap);
+    if (!v) return NULL;
+    if (st < 0 || st >= v->nstates) {
+        PyErr_SetString(PyExc_IndexError, "chain: state out of range");
+        return NULL;
+    }
+    while (ln >= min_match) {
+        /* Greedy walk along the preferred children (each state's first edge). */
+        PyObject *toks = PyList_New(0), *probs = PyList_New(0);
+        if (!toks || !probs) { Py_XDECREF(toks); Py_XDECREF(probs); return NULL; }
+        double p = 1.0, score = 0.0;
+        int64_t u = st;
+        for (long long k = 0; k < conf_limit; k++) {
+            Py_ssize_t o = (Py_ssize_t)col(&v->off, u);
+            if (o == (Py_ssize_t)col(&v->off, u + 1)) break;
+            int64_t c = col(&v->etok, o), w = col(&v->edst, o);
+            double q = (double)col(&v->cnt, w) / (double)col(&v->cnt, u);
+            p *= q;
+            if (p < min_prob || (k >= limit && p < conf)) break;
+            PyObject *ct = PyLong_FromLongLong(c), *qt = PyFloat_FromDouble(q);
+            if (!ct || !qt || PyList_Append(toks, ct) < 0 || PyList_Append(probs, qt) < 0) {
+                Py_XDECREF(ct); Py_XDECREF(qt); Py_DECREF(toks); Py_DECREF(probs);
+                return NULL;
+            }
+            Py_DECREF(ct);
+            Py_DECREF(qt);
+            score += p;
+            u = w;
+        }
+        if (PyList_GET_SIZE(toks)) return Py_BuildValue("(NNdL)", toks, probs, score, st);
+        Py_DECREF(toks);
+        Py_DECREF(probs);
+        /* Back off to the next shorter match (the root matches nothing shorter). */
+        if (st == 0) break;
+        st = col(&v->link, st);
+        ln = col(&v->ln, st);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS,
      "build(tokens_i32, offsets_i64, weights_f64) -> (ln, link, cnt, wcnt, off, etok, edst) as bytes"},
+    {"view", view, METH_VARARGS, "view(ln, link, cnt, off, etok, edst) -> a handle on a frozen index's columns"},
+    {"advance", advance, METH_VARARGS,
+     "advance(view, state, length, generated, start, n, window, start_token) -> (state, length)"},
+    {"chain", chain, METH_VARARGS,
+     "chain(view, state, length, min_match, limit, conf_limit, min_prob, conf) -> (tokens, probs, score, state) | None"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_samc", "Compiled history-index builder.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_samc", "Compiled history-index builder and drafting reads.", -1, methods};
 
 PyMODINIT_FUNC PyInit__samc(void) { return PyModule_Create(&module); }

@@ -339,6 +339,7 @@ class FrozenSuffixAutomaton:
         FrozenSuffixAutomaton._next_version += 1
         self.version = FrozenSuffixAutomaton._next_version
         self._arrays: dict[bool, tuple] = {}
+        self._view = None
 
     @classmethod
     def from_automaton(cls, sam: SuffixAutomaton) -> "FrozenSuffixAutomaton":
@@ -365,6 +366,14 @@ class FrozenSuffixAutomaton:
     @property
     def num_states(self) -> int:
         return len(self.ln)
+
+    def compiled(self):
+        """A handle on the columns for ``_samc``'s drafting reads (``advance``, ``chain``),
+        made on first use (only indexes that are drafted from need one); None where the
+        extension is not compiled."""
+        if self._view is None and DRAFT_READS:
+            self._view = _samc.view(self.ln, self.link, self.cnt, self.off, self.etok, self.edst)
+        return self._view
 
     def trans(self, state: int, c: int) -> int:
         off = self.off
@@ -462,6 +471,8 @@ except ImportError:  # not compiled (source checkout without `pip install -e .`)
     _samc = None
 
 BUILDER = "compiled" if _samc is not None else "python"
+# The proposer's per-step reads of frozen indexes (the same walks as its pure-Python ones).
+DRAFT_READS = _samc is not None and hasattr(_samc, "chain")
 _warned = False
 
 

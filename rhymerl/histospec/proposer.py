@@ -53,7 +53,7 @@ from typing import Optional, Sequence
 
 from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec.goodput import AcceptanceTracker, StepCostModel, draft_can_pay, plan_step, remaining_cap
-from rhymerl.histospec.index import NO_CHILD, START, FrozenSuffixAutomaton, SuffixAutomaton
+from rhymerl.histospec.index import NO_CHILD, START, FrozenSuffixAutomaton, SuffixAutomaton, _samc
 from rhymerl.histospec.store import HistoryStore
 
 # Draft sources, in the order they are consulted (ties go to the earlier one).
@@ -110,6 +110,11 @@ class _Match:
             st, ln, start = 0, 0, max(0, n - window)
         else:
             st, ln, start = self.state, self.length, self.pos
+        if not reward and isinstance(sam, FrozenSuffixAutomaton) and (view := sam.compiled()) is not None:
+            st, ln = _samc.advance(view, st, ln, generated, start, n, window, START)
+            self.state, self.length, self.version, self.pos = st, ln, sam.version, n
+            self.last = generated[-1] if n > 1 else START
+            return
         trans, link, lens = sam.trans, sam.link, sam.ln
         # best(state) -> (token, child) of the preferred continuation (token NO_CHILD if none).
         if isinstance(sam, FrozenSuffixAutomaton) and not reward:
@@ -482,6 +487,10 @@ class DraftProposer:
         cfg = self.cfg
         sam = m.sam
         v, length = m.state, m.length
+        if walk is _walk and not self._reward and isinstance(sam, FrozenSuffixAutomaton) \
+                and (view := sam.compiled()) is not None:
+            got = _samc.chain(view, v, length, cfg.min_match, limit, conf_limit, cfg.min_prob, cfg.adaptive_conf)
+            return None if got is None else (*got, sam)
         lens, link = sam.ln, sam.link
         while length >= cfg.min_match:
             toks, probs, score = walk(sam, v, limit, conf_limit, cfg.min_prob, self._reward, cfg.adaptive_conf)

@@ -423,6 +423,23 @@ def _replay_drafts(trace, cfg, epochs_feedback_zero=()):
     return drafts, p.stats()
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_compiled_index_reads_draft_what_the_python_reads_draft(monkeypatch, tree):
+    """The proposer reads frozen indexes (history, global) through ``_samc`` when it is
+    compiled: every draft of an engine-order replay is the one its pure-Python walks give."""
+    from rhymerl.histospec import index
+    from rhymerl.histospec.synthetic import synthetic_trace
+    trace = synthetic_trace(num_prompts=5, n=4, epochs=3, similarity=0.6, mean_len=80, seed=4)
+    cfg = dataclasses.replace(HistoSpecConfig(), tree=tree, step_cost_fixed_ms=1.0, step_cost_per_request_ms=0.2,
+                              step_cost_per_token_ms=0.05)
+    assert index.DRAFT_READS
+    compiled, st = _replay_drafts(trace, cfg)
+    monkeypatch.setattr(index, "DRAFT_READS", False)
+    python, st2 = _replay_drafts(trace, cfg)
+    assert compiled == python
+    assert st["drafts"] == st2["drafts"] > 0 and st["source/history/drafts"] > 0 and st["source/global/drafts"] > 0
+
+
 def test_skipped_searches_change_no_draft(monkeypatch):
     """With no search cost the skip is exact: the drafts are those of searching every request."""
     from rhymerl.histospec import proposer as proposer_mod

@@ -189,3 +189,69 @@ def test_incremental_match_on_a_frozen_index_equals_the_growing_one():
             a.advance(gen[:n], window=8)
             b.advance(gen[:n], window=8)
             assert (a.state, a.length) == (b.state, b.length)
+
+
+@pytest.mark.parametrize("alphabet", [3, 300, 49152])
+def test_compiled_drafting_reads_equal_the_python_ones(alphabet, monkeypatch):
+    """The proposer's compiled match and chain over a frozen index (``_samc.advance`` /
+    ``_samc.chain``) give its pure-Python walks' states, lengths, tokens and probabilities,
+    on columns of every width the index uses (a 49k vocabulary needs wider ones)."""
+    from rhymerl.histospec import index
+    from rhymerl.histospec.proposer import _Match, _walk
+
+    assert index.DRAFT_READS  # the suite runs on an installed package
+    rng = np.random.default_rng(alphabet)
+    base = rng.integers(0, alphabet, size=120)
+    seqs = [np.where(rng.random(120) < 0.2, rng.integers(0, alphabet, size=120), base).tolist() for _ in range(8)]
+    seqs += [rng.integers(0, alphabet, size=int(rng.integers(1, 60))).tolist() for _ in range(4)]
+    frozen = index.build_frozen(seqs)
+    assert {frozen.etok.typecode, frozen.edst.typecode} <= {"h", "H", "i", "I", "q"}
+
+    def reads(compiled: bool, gen: list[int], window: int, limits: list[tuple]) -> list:
+        monkeypatch.setattr(index, "DRAFT_READS", compiled)
+        frozen._view = None
+        m, out = _Match(frozen), []
+        for n in range(0, len(gen) + 1, 3):
+            m.advance(gen[:n], window)
+            out.append((m.state, m.length))
+            for min_match, limit, conf_limit, min_prob, conf in limits:
+                cand = _chain_from(m, min_match, limit, conf_limit, min_prob, conf, compiled)
+                out.append(cand)
+        return out
+
+    def _chain_from(m, min_match, limit, conf_limit, min_prob, conf, compiled):
+        if compiled:
+            return index._samc.chain(frozen.compiled(), m.state, m.length, min_match, limit, conf_limit, min_prob, conf)
+        v, length = m.state, m.length
+        while length >= min_match:
+            toks, probs, score = _walk(frozen, v, limit, conf_limit, min_prob, False, conf)
+            if toks:
+                return toks, probs, score, v
+            v = frozen.link[v]
+            length = frozen.ln[v]
+        return None
+
+    limits = [(1, 8, 8, 0.0, 1.0), (2, 4, 16, 0.05, 0.6), (3, 2, 32, 0.3, 0.9), (1, 64, 64, 1e-9, 1.0)]
+    for trial in range(12):
+        src = seqs[int(rng.integers(0, len(seqs)))]
+        cut = int(rng.integers(0, len(src)))
+        gen = src[:cut] + rng.integers(0, alphabet, size=int(rng.integers(0, 10))).tolist() + src[cut:]
+        window = int(rng.integers(1, 40))
+        want = reads(False, gen, window, limits)
+        assert reads(True, gen, window, limits) == want
+        assert any(c is not None for c in want if not isinstance(c, tuple) or len(c) == 4)
+
+
+def test_compiled_reads_refuse_what_is_not_an_index():
+    from rhymerl.histospec import index
+
+    frozen = index.build_frozen([[1, 2, 3]])
+    view = frozen.compiled()
+    with pytest.raises(IndexError):
+        index._samc.advance(view, 0, 0, [1, 2], 0, 9, 8, index.START)
+    with pytest.raises(IndexError):
+        index._samc.chain(view, frozen.num_states, 1, 1, 8, 8, 0.0, 1.0)
+    with pytest.raises(TypeError):
+        index._samc.view(frozen.ln, frozen.link, frozen.cnt, frozen.off, frozen.etok, np.zeros(3))
+    with pytest.raises(ValueError):
+        index._samc.view(frozen.ln, frozen.link, frozen.cnt, frozen.ln, frozen.etok, frozen.edst)
