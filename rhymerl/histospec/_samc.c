@@ -361,26 +361,65 @@ static View *view_of(PyObject *cap) {
     return PyCapsule_GetPointer(cap, "rhymerl.samc.view");
 }
 
+/* Token i of a 1-D integer buffer (a NumPy row of the engine's token table). */
+static inline int64_t buf_tok(const Py_buffer *b, char code, Py_ssize_t i) {
+    const char *p = (const char *)b->buf + i * (b->strides ? b->strides[0] : b->itemsize);
+    switch (code) {
+    case 'h': return *(const int16_t *)p;
+    case 'H': return *(const uint16_t *)p;
+    case 'i': return *(const int32_t *)p;
+    case 'I': return *(const uint32_t *)p;
+    case 'l': return *(const long *)p;
+    default: return *(const int64_t *)p; /* 'q' */
+    }
+}
+
+/* ``generated`` is a list or tuple of ints, or a 1-D integer buffer: the engine passes a
+ * view of its token table, since copying a 16K-token response out of it every step would
+ * cost more than the draft it serves. */
 static PyObject *advance(PyObject *self, PyObject *args) {
     PyObject *cap, *gen;
     long long st, ln, start, n, window, start_tok;
     if (!PyArg_ParseTuple(args, "OLLOLLLL", &cap, &st, &ln, &gen, &start, &n, &window, &start_tok)) return NULL;
     View *v = view_of(cap);
     if (!v) return NULL;
-    PyObject *fast = PySequence_Fast(gen, "advance: generated must be a sequence");
-    if (!fast) return NULL;
-    Py_ssize_t glen = PySequence_Fast_GET_SIZE(fast);
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    Py_buffer gb;
+    PyObject *fast = NULL, **items = NULL;
+    char code = 0;
+    Py_ssize_t glen;
+    if (!PyList_Check(gen) && !PyTuple_Check(gen) && PyObject_CheckBuffer(gen)) {
+        if (PyObject_GetBuffer(gen, &gb, PyBUF_FORMAT | PyBUF_STRIDES) < 0) return NULL;
+        const char *f = gb.format ? gb.format : "B";
+        if (f[0] == '@' || f[0] == '=') f++;
+        code = f[0];
+        size_t want = code == 'h' || code == 'H' ? 2 : code == 'i' || code == 'I' ? 4
+                    : code == 'l' ? sizeof(long) : code == 'q' ? 8 : 0;
+        if (gb.ndim != 1 || !want || f[1] || (size_t)gb.itemsize != want) {
+            PyBuffer_Release(&gb);
+            PyErr_SetString(PyExc_TypeError, "advance: generated must be a 1-D integer buffer");
+            return NULL;
+        }
+        glen = gb.shape ? gb.shape[0] : gb.len / gb.itemsize;
+    } else {
+        fast = PySequence_Fast(gen, "advance: generated must be a sequence");
+        if (!fast) return NULL;
+        glen = PySequence_Fast_GET_SIZE(fast);
+        items = PySequence_Fast_ITEMS(fast);
+    }
+    PyObject *res = NULL;
     if (start < 0 || n > glen + 1 || st < 0 || st >= v->nstates) {
-        Py_DECREF(fast);
         PyErr_SetString(PyExc_IndexError, "advance: positions out of range");
-        return NULL;
+        goto done;
     }
     for (long long i = start; i < n; i++) {
         long long c = start_tok;
         if (i) {
-            c = PyLong_AsLongLong(items[i - 1]);
-            if (c == -1 && PyErr_Occurred()) { Py_DECREF(fast); return NULL; }
+            if (fast) {
+                c = PyLong_AsLongLong(items[i - 1]);
+                if (c == -1 && PyErr_Occurred()) goto done;
+            } else {
+                c = buf_tok(&gb, code, (Py_ssize_t)(i - 1));
+            }
         }
         for (;;) {
             int64_t q = trans_of(v, st, c);
@@ -394,8 +433,10 @@ static PyObject *advance(PyObject *self, PyObject *args) {
             while (col(&v->ln, col(&v->link, st)) >= window) st = col(&v->link, st);
         }
     }
-    Py_DECREF(fast);
-    return Py_BuildValue("(LL)", st, ln);
+    res = Py_BuildValue("(LL)", st, ln);
+done:
+    if (fast) Py_DECREF(fast); else PyBuffer_Release(&gb);
+    return res;
 }
 
 static PyObject *chain(PyObject *self, PyObject *args) {
@@ -449,7 +490,8 @@ static PyMethodDef methods[] = {
      "build(tokens_i32, offsets_i64, weights_f64) -> (ln, link, cnt, wcnt, off, etok, edst) as bytes"},
     {"view", view, METH_VARARGS, "view(ln, link, cnt, off, etok, edst) -> a handle on a frozen index's columns"},
     {"advance", advance, METH_VARARGS,
-     "advance(view, state, length, generated, start, n, window, start_token) -> (state, length)"},
+     "advance(view, state, length, generated (list, tuple or 1-D int buffer), start, n, window, start_token)"
+     " -> (state, length)"},
     {"chain", chain, METH_VARARGS,
      "chain(view, state, length, min_match, limit, conf_limit, min_prob, conf) -> (tokens, probs, score, state) | None"},
     {NULL, NULL, 0, NULL},

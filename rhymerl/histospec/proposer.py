@@ -41,7 +41,9 @@ benchmark's main rows use those settings (``rhymerl/bench/histospec.py: RECOMMEN
 
 Not thread-safe: the engine calls it from one thread. ``generated`` must extend the
 previous call's tokens for the same request (a changed last token or a jump of more
-than ``match_window`` tokens re-matches from scratch, which is always correct).
+than ``match_window`` tokens re-matches from scratch, which is always correct). It may be
+a list or a 1-D NumPy integer array (the engine passes a view of its token table): only the
+tokens not seen before are read, so a step costs the same at token 100 and at token 16,000.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ class HistoSpecProposer:
         requests = runner.requests
         self._drop_finished(requests)
         rows: list[int] = []
-        items: list[tuple[str, list[int], int]] = []
+        items: list[tuple[str, np.ndarray, int]] = []
         # The step that just ran: its rows and the tokens it scored (1 + last draft per row).
         # A step that admitted a new request also prefilled it: not a decode step, not timed.
         step_rows = step_scored = step_drafting = 0
@@ -113,7 +113,9 @@ class HistoSpecProposer:
             if params is not None and params.max_tokens is not None:
                 room = min(room, params.max_tokens - (num_tokens - p_len) - 1)
             max_len = min(self.k, room)
-            generated = token_ids_cpu[i, p_len:num_tokens].tolist()
+            # A view, not a copy: the proposer reads only the tokens it has not seen, and
+            # copying a long response out of the table every step costs more than its draft.
+            generated = token_ids_cpu[i, p_len:num_tokens]
             rows.append(i)
             items.append((rid, generated, max_len))
         if decode_only and step_rows and self._last_end is not None:

@@ -1,6 +1,7 @@
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from rhymerl.config import HistoSpecConfig
@@ -386,8 +387,9 @@ def test_draft_can_pay_is_an_upper_bound_on_the_plan():
     assert not draft_can_pay(0.05, [0.5] * 4, 4, 10.0, 0.01, 0.0)  # 2.5% acceptance cannot repay 10% of a row
 
 
-def _replay_drafts(trace, cfg, epochs_feedback_zero=()):
-    """Engine-order replay of a synthetic trace: every step's drafts and the proposer's stats."""
+def _replay_drafts(trace, cfg, epochs_feedback_zero=(), as_array=False):
+    """Engine-order replay of a synthetic trace: every step's drafts and the proposer's stats;
+    ``as_array``: each request's tokens so far as a view of an int32 array, as the engine passes them."""
     from rhymerl.histospec import prompt_key
     from rhymerl.histospec.acceptance import accepted_prefix
     from rhymerl.traces import by_epoch
@@ -404,8 +406,9 @@ def _replay_drafts(trace, cfg, epochs_feedback_zero=()):
                 rid = f"{e}:{pid}:{r.sample_idx}"
                 p.begin(rid, prompt_key(r.prompt_token_ids), group=f"{e}:{pid}")
                 active.append([rid, r.token_ids, 0])
+        arrays = {rid: np.asarray(seq, dtype=np.int32) for rid, seq, _ in active} if as_array else {}
         while active:
-            ds = p.propose_step([(rid, seq[:pos], 8) for rid, seq, pos in active])
+            ds = p.propose_step([(rid, arrays[rid][:pos] if as_array else seq[:pos], 8) for rid, seq, pos in active])
             still = []
             for item, d in zip(active, ds):
                 rid, seq, pos = item
@@ -426,7 +429,8 @@ def _replay_drafts(trace, cfg, epochs_feedback_zero=()):
 @pytest.mark.parametrize("tree", [False, True])
 def test_compiled_index_reads_draft_what_the_python_reads_draft(monkeypatch, tree):
     """The proposer reads frozen indexes (history, global) through ``_samc`` when it is
-    compiled: every draft of an engine-order replay is the one its pure-Python walks give."""
+    compiled: every draft of an engine-order replay is the one its pure-Python walks give,
+    from lists and from NumPy views alike."""
     from rhymerl.histospec import index
     from rhymerl.histospec.synthetic import synthetic_trace
     trace = synthetic_trace(num_prompts=5, n=4, epochs=3, similarity=0.6, mean_len=80, seed=4)
@@ -434,9 +438,12 @@ def test_compiled_index_reads_draft_what_the_python_reads_draft(monkeypatch, tre
                               step_cost_per_token_ms=0.05)
     assert index.DRAFT_READS
     compiled, st = _replay_drafts(trace, cfg)
+    # The engine passes views of its token table: the same drafts from them.
+    assert _replay_drafts(trace, cfg, as_array=True)[0] == compiled
     monkeypatch.setattr(index, "DRAFT_READS", False)
     python, st2 = _replay_drafts(trace, cfg)
     assert compiled == python
+    assert _replay_drafts(trace, cfg, as_array=True)[0] == python
     assert st["drafts"] == st2["drafts"] > 0 and st["source/history/drafts"] > 0 and st["source/global/drafts"] > 0
 
 
