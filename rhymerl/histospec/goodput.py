@@ -294,19 +294,22 @@ class AcceptanceTracker:
         self._req: dict[str, list[float]] = {}  # request -> [accepted, expected]
 
     def source_rates(self, source: str, n: int) -> list[float]:
-        """Multipliers a_src[0..n-1]."""
-        cached = self._rates.get(source)
-        if cached is not None and len(cached) >= n:
-            return cached
-        table = self._src.get(source, [])
-        rates = []
-        prev = self.prior
+        """Multipliers a_src[0..n-1] (the cached list may hold more)."""
+        rates = self._rates.get(source)
+        if rates is not None and len(rates) >= n:
+            return rates
+        # Each depth's rate needs only the shallower ones: extend the cached prefix to the
+        # depth asked for. Every verified draft invalidates the cache, and drafts ask for a
+        # few depths while the table holds up to MAX_DEPTH: this runs per request per step.
+        if rates is None:
+            rates = self._rates[source] = []
+        table = self._src.get(source, ())
+        prev = rates[-1] if rates else self.prior
         w = self.prior_weight
-        for i in range(max(n, len(table), 1)):
+        for i in range(len(rates), max(n, 1)):
             acc, mass = table[i] if i < len(table) else (0.0, 0.0)
             prev = (acc + w * prev) / (mass + w)
             rates.append(prev)
-        self._rates[source] = rates
         return rates
 
     def source_rate(self, source: str) -> float:

@@ -495,3 +495,28 @@ def test_measured_search_cost_recovers_from_an_overestimate():
     for n in range(3, 60):
         assert q.propose_step([("a", list(range(n)), 8)])[0].tokens == []
     assert q.stats()["search_us_per_request"] == pytest.approx(1e7) and q.stats()["searches"] == 0
+
+
+def test_source_rates_extend_a_prefix_to_the_depth_asked_for():
+    """Rates are computed only as deep as a caller asks (the cache is dropped after every
+    verified draft); at every depth they equal the whole table's recurrence."""
+    rng = random.Random(5)
+    t = AcceptanceTracker(prior=0.4, prior_weight=3.0)
+
+    def full(src):
+        table, prev, out = t._src.get(src, []), t.prior, []
+        for i in range(max(len(table), 64)):
+            acc, mass = table[i] if i < len(table) else (0.0, 0.0)
+            prev = (acc + t.prior_weight * prev) / (mass + t.prior_weight)
+            out.append(prev)
+        return out
+
+    for step in range(300):
+        src = rng.choice(["history", "group"])
+        probs = [rng.random() for _ in range(rng.randint(1, 40))]
+        t.observe(f"r{step % 7}", src, probs, rng.randint(0, len(probs)))
+        for n in sorted(rng.sample(range(1, 64), 3)):
+            got = t.source_rates(src, n)
+            assert len(got) >= n and got[:n] == full(src)[:n]
+    t.observe("r0", "group", [0.9] * 30, 3)
+    assert len(t.source_rates("group", 2)) == 2 < len(t._src["group"])  # not the whole table
