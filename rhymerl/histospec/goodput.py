@@ -340,8 +340,17 @@ class AcceptanceTracker:
         return e, surv
 
     def bound(self, req: str, source: str, n: int) -> float:
-        """Most expected accepted tokens any chain of n tokens from ``source`` can have (q = 1)."""
-        return self.expected_accepted(req, source, [1.0] * n)[0]
+        """Most expected accepted tokens any chain of n tokens from ``source`` can have (q = 1):
+        ``expected_accepted`` of n certain tokens, without building their lists (it runs per
+        request and source every engine step)."""
+        f = self.request_factor(req)
+        rates = self.source_rates(source, n)
+        e, p = 0.0, 1.0
+        for i in range(n):
+            x = f * rates[i]
+            p *= x if x < 1.0 else 1.0
+            e += p
+        return e
 
     def observe(self, req: str, source: str, cond_probs: Sequence[float], accepted: int) -> None:
         """A verified draft: its first ``accepted`` tokens were accepted."""

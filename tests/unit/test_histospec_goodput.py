@@ -520,3 +520,14 @@ def test_source_rates_extend_a_prefix_to_the_depth_asked_for():
             assert len(got) >= n and got[:n] == full(src)[:n]
     t.observe("r0", "group", [0.9] * 30, 3)
     assert len(t.source_rates("group", 2)) == 2 < len(t._src["group"])  # not the whole table
+
+
+def test_bound_is_the_expected_accepted_tokens_of_a_certain_chain():
+    rng = random.Random(9)
+    t = AcceptanceTracker(prior=0.6)
+    for step in range(200):
+        probs = [rng.random() for _ in range(rng.randint(1, 20))]
+        t.observe(f"r{step % 3}", "history", probs, rng.randint(0, len(probs)))
+        for req in ("r0", "r1", "unseen"):
+            for n in (0, 1, 5, 17):
+                assert t.bound(req, "history", n) == t.expected_accepted(req, "history", [1.0] * n)[0]
