@@ -31,6 +31,7 @@ typedef struct {
     uint64_t *hkey;              /* open addressing: (state << 32 | tok) + 1, 0 = empty */
     int32_t *hval;               /* edge id */
     size_t nstates, cap_states, nedges, cap_edges, hmask;
+    int online;                  /* counts kept exact per token (a growing group index) */
 } Sam;
 
 static inline uint64_t key_of(int32_t s, int32_t c) {
@@ -80,6 +81,12 @@ static inline int32_t new_state(Sam *m, int32_t ln, int32_t link) {
 
 static int32_t clone_of(Sam *m, int32_t p, int32_t q, int32_t c) {
     int32_t cl = new_state(m, m->ln[p] + 1, m->link[q]);
+    if (m->online) {
+        /* Online: the clone's end positions are q's (the caller's walk adds the new one).
+         * Bulk: a clone owns no end position itself. */
+        m->cnt[cl] = m->cnt[q];
+        m->wcnt[cl] = m->wcnt[q];
+    }
     for (int32_t e = m->head[q]; e >= 0; e = m->enext[e]) add_edge(m, cl, m->etok[e], m->edst[e]);
     while (p != -1) {
         int32_t e = find(m, p, c);
@@ -109,8 +116,18 @@ static int32_t extend(Sam *m, int32_t last, int32_t c, double w) {
             m->link[cur] = (m->ln[p] + 1 == m->ln[q]) ? q : clone_of(m, p, q, c);
         }
     }
-    m->cnt[cur] += 1;
-    m->wcnt[cur] += w;
+    if (!m->online) {
+        m->cnt[cur] += 1;
+        m->wcnt[cur] += w;
+        return cur;
+    }
+    /* The new end position belongs to cur and every state on its suffix-link path. */
+    for (int32_t v = cur; v > 0; v = m->link[v]) {
+        m->cnt[v] += 1;
+        m->wcnt[v] += w;
+    }
+    m->cnt[0] += 1;
+    m->wcnt[0] += w;
     return cur;
 }
 
@@ -361,10 +378,45 @@ static View *view_of(PyObject *cap) {
     return PyCapsule_GetPointer(cap, "rhymerl.samc.view");
 }
 
-/* Token i of a 1-D integer buffer (a NumPy row of the engine's token table). */
-static inline int64_t buf_tok(const Py_buffer *b, char code, Py_ssize_t i) {
-    const char *p = (const char *)b->buf + i * (b->strides ? b->strides[0] : b->itemsize);
-    switch (code) {
+/* A request's tokens so far: a list or tuple of ints, or a 1-D integer buffer (the engine
+ * passes a view of its token table, since copying a 16K-token response out of it every step
+ * would cost more than the draft it serves). */
+typedef struct {
+    PyObject *fast, **items;
+    Py_buffer gb;
+    char code;
+    Py_ssize_t len;
+} Tokens;
+
+static int tokens_open(Tokens *t, PyObject *gen) {
+    memset(t, 0, sizeof(*t));
+    if (!PyList_Check(gen) && !PyTuple_Check(gen) && PyObject_CheckBuffer(gen)) {
+        if (PyObject_GetBuffer(gen, &t->gb, PyBUF_FORMAT | PyBUF_STRIDES) < 0) return -1;
+        const char *f = t->gb.format ? t->gb.format : "B";
+        if (f[0] == '@' || f[0] == '=') f++;
+        t->code = f[0];
+        size_t want = t->code == 'h' || t->code == 'H' ? 2 : t->code == 'i' || t->code == 'I' ? 4
+                    : t->code == 'l' ? sizeof(long) : t->code == 'q' ? 8 : 0;
+        if (t->gb.ndim != 1 || !want || f[1] || (size_t)t->gb.itemsize != want) {
+            PyBuffer_Release(&t->gb);
+            PyErr_SetString(PyExc_TypeError, "generated must be a list of ints or a 1-D integer buffer");
+            return -1;
+        }
+        t->len = t->gb.shape ? t->gb.shape[0] : t->gb.len / t->gb.itemsize;
+        return 0;
+    }
+    t->fast = PySequence_Fast(gen, "generated must be a sequence");
+    if (!t->fast) return -1;
+    t->len = PySequence_Fast_GET_SIZE(t->fast);
+    t->items = PySequence_Fast_ITEMS(t->fast);
+    return 0;
+}
+
+/* Token i; -1 with an exception set on a bad item (-1 is also START: check PyErr_Occurred). */
+static inline int64_t tokens_get(const Tokens *t, Py_ssize_t i) {
+    if (t->fast) return PyLong_AsLongLong(t->items[i]);
+    const char *p = (const char *)t->gb.buf + i * (t->gb.strides ? t->gb.strides[0] : t->gb.itemsize);
+    switch (t->code) {
     case 'h': return *(const int16_t *)p;
     case 'H': return *(const uint16_t *)p;
     case 'i': return *(const int32_t *)p;
@@ -374,94 +426,75 @@ static inline int64_t buf_tok(const Py_buffer *b, char code, Py_ssize_t i) {
     }
 }
 
-/* ``generated`` is a list or tuple of ints, or a 1-D integer buffer: the engine passes a
- * view of its token table, since copying a 16K-token response out of it every step would
- * cost more than the draft it serves. */
-static PyObject *advance(PyObject *self, PyObject *args) {
-    PyObject *cap, *gen;
-    long long st, ln, start, n, window, start_tok;
-    if (!PyArg_ParseTuple(args, "OLLOLLLL", &cap, &st, &ln, &gen, &start, &n, &window, &start_tok)) return NULL;
-    View *v = view_of(cap);
-    if (!v) return NULL;
-    Py_buffer gb;
-    PyObject *fast = NULL, **items = NULL;
-    char code = 0;
-    Py_ssize_t glen;
-    if (!PyList_Check(gen) && !PyTuple_Check(gen) && PyObject_CheckBuffer(gen)) {
-        if (PyObject_GetBuffer(gen, &gb, PyBUF_FORMAT | PyBUF_STRIDES) < 0) return NULL;
-        const char *f = gb.format ? gb.format : "B";
-        if (f[0] == '@' || f[0] == '=') f++;
-        code = f[0];
-        size_t want = code == 'h' || code == 'H' ? 2 : code == 'i' || code == 'I' ? 4
-                    : code == 'l' ? sizeof(long) : code == 'q' ? 8 : 0;
-        if (gb.ndim != 1 || !want || f[1] || (size_t)gb.itemsize != want) {
-            PyBuffer_Release(&gb);
-            PyErr_SetString(PyExc_TypeError, "advance: generated must be a 1-D integer buffer");
-            return NULL;
-        }
-        glen = gb.shape ? gb.shape[0] : gb.len / gb.itemsize;
-    } else {
-        fast = PySequence_Fast(gen, "advance: generated must be a sequence");
-        if (!fast) return NULL;
-        glen = PySequence_Fast_GET_SIZE(fast);
-        items = PySequence_Fast_ITEMS(fast);
-    }
+static void tokens_close(Tokens *t) {
+    if (t->fast) Py_DECREF(t->fast); else PyBuffer_Release(&t->gb);
+}
+
+/* Child of state s on token c (-1 if none), in a frozen view or a growing automaton. */
+typedef int64_t (*trans_fn)(const void *index, int64_t s, int64_t c);
+/* The greedy continuation of state v: 0 if none, else 1 with (token, child, probability). */
+typedef int (*next_fn)(const void *index, int64_t v, int64_t *c, int64_t *u, double *q);
+
+typedef struct {
+    trans_fn trans;
+    next_fn next;
+    int64_t (*link)(const void *index, int64_t s);
+    int64_t (*len)(const void *index, int64_t s);
+    Py_ssize_t (*nstates)(const void *index);
+} Reads;
+
+/* _Match.advance: extend the match (st, ln) by positions [start, n) of the response behind a
+ * virtual START marker, keeping at most the last ``window`` tokens matched. */
+static PyObject *advance_with(const Reads *r, const void *ix, PyObject *gen, long long st,
+                              long long ln, long long start, long long n, long long window, long long start_tok) {
+    Tokens t;
+    if (tokens_open(&t, gen) < 0) return NULL;
     PyObject *res = NULL;
-    if (start < 0 || n > glen + 1 || st < 0 || st >= v->nstates) {
+    if (start < 0 || n > t.len + 1 || st < 0 || st >= r->nstates(ix)) {
         PyErr_SetString(PyExc_IndexError, "advance: positions out of range");
         goto done;
     }
     for (long long i = start; i < n; i++) {
         long long c = start_tok;
         if (i) {
-            if (fast) {
-                c = PyLong_AsLongLong(items[i - 1]);
-                if (c == -1 && PyErr_Occurred()) goto done;
-            } else {
-                c = buf_tok(&gb, code, (Py_ssize_t)(i - 1));
-            }
+            c = tokens_get(&t, (Py_ssize_t)(i - 1));
+            if (c == -1 && PyErr_Occurred()) goto done;
         }
         for (;;) {
-            int64_t q = trans_of(v, st, c);
+            int64_t q = r->trans(ix, st, c);
             if (q >= 0) { st = q; ln++; break; }
             if (st == 0) { ln = 0; break; }
-            st = col(&v->link, st);
-            ln = col(&v->ln, st);
+            st = r->link(ix, st);
+            ln = r->len(ix, st);
         }
         if (ln > window) {
             ln = window;
-            while (col(&v->ln, col(&v->link, st)) >= window) st = col(&v->link, st);
+            while (r->len(ix, r->link(ix, st)) >= window) st = r->link(ix, st);
         }
     }
     res = Py_BuildValue("(LL)", st, ln);
 done:
-    if (fast) Py_DECREF(fast); else PyBuffer_Release(&gb);
+    tokens_close(&t);
     return res;
 }
 
-static PyObject *chain(PyObject *self, PyObject *args) {
-    PyObject *cap;
-    long long st, ln, min_match, limit, conf_limit;
-    double min_prob, conf;
-    if (!PyArg_ParseTuple(args, "OLLLLLdd", &cap, &st, &ln, &min_match, &limit, &conf_limit, &min_prob, &conf))
-        return NULL;
-    View *v = view_of(cap);
-    if (!v) return NULL;
-    if (st < 0 || st >= v->nstates) {
+/* _chain_from over _greedy: the greedy chain after the match, backing off to shorter
+ * matches while the match is at least ``min_match`` long and the chain is empty. */
+static PyObject *chain_with(const Reads *r, const void *ix, long long st, long long ln, long long min_match,
+                            long long limit, long long conf_limit, double min_prob, double conf) {
+    if (st < 0 || st >= r->nstates(ix)) {
         PyErr_SetString(PyExc_IndexError, "chain: state out of range");
         return NULL;
     }
     while (ln >= min_match) {
-        /* Greedy walk along the preferred children (each state's first edge). */
         PyObject *toks = PyList_New(0), *probs = PyList_New(0);
         if (!toks || !probs) { Py_XDECREF(toks); Py_XDECREF(probs); return NULL; }
         double p = 1.0, score = 0.0;
-        int64_t u = st;
+        int64_t v = st;
         for (long long k = 0; k < conf_limit; k++) {
-            Py_ssize_t o = (Py_ssize_t)col(&v->off, u);
-            if (o == (Py_ssize_t)col(&v->off, u + 1)) break;
-            int64_t c = col(&v->etok, o), w = col(&v->edst, o);
-            double q = (double)col(&v->cnt, w) / (double)col(&v->cnt, u);
+            int64_t c, u;
+            double q;
+            if (!r->next(ix, v, &c, &u, &q)) break;
             p *= q;
             if (p < min_prob || (k >= limit && p < conf)) break;
             PyObject *ct = PyLong_FromLongLong(c), *qt = PyFloat_FromDouble(q);
@@ -472,17 +505,239 @@ static PyObject *chain(PyObject *self, PyObject *args) {
             Py_DECREF(ct);
             Py_DECREF(qt);
             score += p;
-            u = w;
+            v = u;
         }
         if (PyList_GET_SIZE(toks)) return Py_BuildValue("(NNdL)", toks, probs, score, st);
         Py_DECREF(toks);
         Py_DECREF(probs);
-        /* Back off to the next shorter match (the root matches nothing shorter). */
-        if (st == 0) break;
-        st = col(&v->link, st);
-        ln = col(&v->ln, st);
+        if (st == 0) break; /* the root matches nothing shorter */
+        st = r->link(ix, st);
+        ln = r->len(ix, st);
     }
     Py_RETURN_NONE;
+}
+
+/* -- frozen view: each state's first edge is its preferred child; p = cnt[child] / cnt[state] */
+static int64_t fz_trans(const void *ix, int64_t s, int64_t c) { return trans_of((const View *)ix, s, c); }
+static int fz_next(const void *ix, int64_t v, int64_t *c, int64_t *u, double *q) {
+    const View *w = ix;
+    Py_ssize_t o = (Py_ssize_t)col(&w->off, v);
+    if (o == (Py_ssize_t)col(&w->off, v + 1)) return 0;
+    *c = col(&w->etok, o);
+    *u = col(&w->edst, o);
+    *q = (double)col(&w->cnt, *u) / (double)col(&w->cnt, v);
+    return 1;
+}
+static int64_t fz_link(const void *ix, int64_t s) { return col(&((const View *)ix)->link, s); }
+static int64_t fz_len(const void *ix, int64_t s) { return col(&((const View *)ix)->ln, s); }
+static Py_ssize_t fz_nstates(const void *ix) { return ((const View *)ix)->nstates; }
+static const Reads FROZEN = {fz_trans, fz_next, fz_link, fz_len, fz_nstates};
+
+static PyObject *advance(PyObject *self, PyObject *args) {
+    PyObject *cap, *gen;
+    long long st, ln, start, n, window, start_tok;
+    if (!PyArg_ParseTuple(args, "OLLOLLLL", &cap, &st, &ln, &gen, &start, &n, &window, &start_tok)) return NULL;
+    View *v = view_of(cap);
+    if (!v) return NULL;
+    return advance_with(&FROZEN, v, gen, st, ln, start, n, window, start_tok);
+}
+
+static PyObject *chain(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    long long st, ln, min_match, limit, conf_limit;
+    double min_prob, conf;
+    if (!PyArg_ParseTuple(args, "OLLLLLdd", &cap, &st, &ln, &min_match, &limit, &conf_limit, &min_prob, &conf))
+        return NULL;
+    View *v = view_of(cap);
+    if (!v) return NULL;
+    return chain_with(&FROZEN, v, st, ln, min_match, limit, conf_limit, min_prob, conf);
+}
+
+/* ---------------------------------------------------------------- growing group index
+ *
+ * A GRPO group's index (the prompt, then every sibling's tokens as they are emitted, several
+ * sequences growing interleaved): SuffixAutomaton(online=True).push_at, with counts kept
+ * exact per token, and its reads (_Match.advance, _walk_group). The greedy continuation of a
+ * state is its most frequent child (the smaller token on ties), with probability normalised
+ * over the children that exist: the ends of siblings in flight are "not generated yet", not
+ * "the response stopped here".
+ */
+static int sam_reserve(Sam *m, size_t ntok) {
+    size_t need_s = 2 * ntok + 2, need_e = 3 * ntok + 2;
+    if (need_s > m->cap_states) {
+        size_t cap = m->cap_states * 2 > need_s ? m->cap_states * 2 : need_s;
+        int32_t *ln = realloc(m->ln, cap * sizeof(int32_t));
+        if (ln) m->ln = ln;
+        int32_t *link = realloc(m->link, cap * sizeof(int32_t));
+        if (link) m->link = link;
+        int32_t *head = realloc(m->head, cap * sizeof(int32_t));
+        if (head) m->head = head;
+        int64_t *cnt = realloc(m->cnt, cap * sizeof(int64_t));
+        if (cnt) m->cnt = cnt;
+        double *wcnt = realloc(m->wcnt, cap * sizeof(double));
+        if (wcnt) m->wcnt = wcnt;
+        if (!ln || !link || !head || !cnt || !wcnt) return -1;
+        m->cap_states = cap;
+    }
+    if (need_e > m->cap_edges) {
+        size_t cap = m->cap_edges * 2 > need_e ? m->cap_edges * 2 : need_e;
+        int32_t *etok = realloc(m->etok, cap * sizeof(int32_t));
+        if (etok) m->etok = etok;
+        int32_t *edst = realloc(m->edst, cap * sizeof(int32_t));
+        if (edst) m->edst = edst;
+        int32_t *enext = realloc(m->enext, cap * sizeof(int32_t));
+        if (enext) m->enext = enext;
+        if (!etok || !edst || !enext) return -1;
+        m->cap_edges = cap;
+        size_t h = m->hmask + 1;
+        if (h < 2 * cap) {
+            while (h < 2 * cap) h <<= 1;
+            uint64_t *hkey = calloc(h, sizeof(uint64_t));
+            int32_t *hval = malloc(h * sizeof(int32_t));
+            if (!hkey || !hval) { free(hkey); free(hval); return -1; }
+            for (size_t i = 0; i <= m->hmask; i++) {
+                if (!m->hkey[i]) continue;
+                size_t j = hash_of(m->hkey[i]) & (h - 1);
+                while (hkey[j]) j = (j + 1) & (h - 1);
+                hkey[j] = m->hkey[i];
+                hval[j] = m->hval[i];
+            }
+            free(m->hkey);
+            free(m->hval);
+            m->hkey = hkey;
+            m->hval = hval;
+            m->hmask = h - 1;
+        }
+    }
+    return 0;
+}
+
+typedef struct {
+    Sam m;
+    size_t ntok;
+} Group;
+
+static void group_free(PyObject *cap) {
+    Group *g = PyCapsule_GetPointer(cap, "rhymerl.samc.group");
+    if (!g) return;
+    sam_free(&g->m);
+    free(g);
+}
+
+static Group *group_of(PyObject *cap) {
+    return PyCapsule_GetPointer(cap, "rhymerl.samc.group");
+}
+
+static PyObject *group_new(PyObject *self, PyObject *args) {
+    Group *g = calloc(1, sizeof(Group));
+    if (!g) return PyErr_NoMemory();
+    if (sam_alloc(&g->m, 32) < 0) { free(g); return PyErr_NoMemory(); }
+    g->m.online = 1;
+    PyObject *cap = PyCapsule_New(g, "rhymerl.samc.group", group_free);
+    if (!cap) { sam_free(&g->m); free(g); }
+    return cap;
+}
+
+static PyObject *group_push(PyObject *self, PyObject *args) {
+    PyObject *cap, *seq;
+    long long cursor;
+    if (!PyArg_ParseTuple(args, "OLO", &cap, &cursor, &seq)) return NULL;
+    Group *g = group_of(cap);
+    if (!g) return NULL;
+    Tokens t;
+    if (tokens_open(&t, seq) < 0) return NULL;
+    PyObject *res = NULL;
+    if (cursor < 0 || (size_t)cursor >= g->m.nstates) {
+        PyErr_SetString(PyExc_IndexError, "push: cursor is not a state of this index");
+        goto done;
+    }
+    if ((size_t)t.len > (size_t)INT32_MAX / 3 - g->ntok) {
+        PyErr_SetString(PyExc_ValueError, "push: too many tokens for one index");
+        goto done;
+    }
+    if (sam_reserve(&g->m, g->ntok + (size_t)t.len) < 0) { PyErr_NoMemory(); goto done; }
+    int32_t cur = (int32_t)cursor;
+    for (Py_ssize_t i = 0; i < t.len; i++) {
+        int64_t c = tokens_get(&t, i);
+        if (c == -1 && PyErr_Occurred()) goto done;
+        if (c < INT32_MIN || c > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "push: token id out of int32 range");
+            goto done;
+        }
+        cur = extend(&g->m, cur, (int32_t)c, 1.0);
+        g->ntok++;
+    }
+    res = PyLong_FromLong(cur);
+done:
+    tokens_close(&t);
+    return res;
+}
+
+static int64_t gr_trans(const void *ix, int64_t s, int64_t c) {
+    if (c < INT32_MIN || c > INT32_MAX) return -1;
+    int32_t e = find(&((const Group *)ix)->m, (int32_t)s, (int32_t)c);
+    return e < 0 ? -1 : ((const Group *)ix)->m.edst[e];
+}
+static int gr_next(const void *ix, int64_t v, int64_t *c, int64_t *u, double *q) {
+    const Sam *m = &((const Group *)ix)->m;
+    int32_t best = -1;
+    int64_t total = 0;
+    for (int32_t e = m->head[v]; e >= 0; e = m->enext[e]) {
+        int64_t k = m->cnt[m->edst[e]];
+        total += k;
+        if (best < 0 || k > m->cnt[m->edst[best]] || (k == m->cnt[m->edst[best]] && m->etok[e] < m->etok[best]))
+            best = e;
+    }
+    if (best < 0) return 0;
+    *c = m->etok[best];
+    *u = m->edst[best];
+    *q = m->enext[m->head[v]] < 0 ? 1.0 : (double)m->cnt[*u] / (double)total;
+    return 1;
+}
+static int64_t gr_link(const void *ix, int64_t s) { return ((const Group *)ix)->m.link[s]; }
+static int64_t gr_len(const void *ix, int64_t s) { return ((const Group *)ix)->m.ln[s]; }
+static Py_ssize_t gr_nstates(const void *ix) { return (Py_ssize_t)((const Group *)ix)->m.nstates; }
+static const Reads GROWING = {gr_trans, gr_next, gr_link, gr_len, gr_nstates};
+
+static PyObject *group_advance(PyObject *self, PyObject *args) {
+    PyObject *cap, *gen;
+    long long st, ln, start, n, window, start_tok;
+    if (!PyArg_ParseTuple(args, "OLLOLLLL", &cap, &st, &ln, &gen, &start, &n, &window, &start_tok)) return NULL;
+    Group *g = group_of(cap);
+    if (!g) return NULL;
+    return advance_with(&GROWING, g, gen, st, ln, start, n, window, start_tok);
+}
+
+static PyObject *group_chain(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    long long st, ln, min_match, limit, conf_limit;
+    double min_prob, conf;
+    if (!PyArg_ParseTuple(args, "OLLLLLdd", &cap, &st, &ln, &min_match, &limit, &conf_limit, &min_prob, &conf))
+        return NULL;
+    Group *g = group_of(cap);
+    if (!g) return NULL;
+    return chain_with(&GROWING, g, st, ln, min_match, limit, conf_limit, min_prob, conf);
+}
+
+/* (ln, link, cnt) per state and (state, token, child) per edge: for tests against the
+ * Python automaton. */
+static PyObject *group_columns(PyObject *self, PyObject *args) {
+    PyObject *cap;
+    if (!PyArg_ParseTuple(args, "O", &cap)) return NULL;
+    Group *g = group_of(cap);
+    if (!g) return NULL;
+    const Sam *m = &g->m;
+    PyObject *states = PyList_New((Py_ssize_t)m->nstates), *edges = PyList_New(0);
+    if (!states || !edges) { Py_XDECREF(states); Py_XDECREF(edges); return NULL; }
+    for (size_t v = 0; v < m->nstates; v++) {
+        PyList_SET_ITEM(states, (Py_ssize_t)v, Py_BuildValue("(iiL)", m->ln[v], m->link[v], (long long)m->cnt[v]));
+        for (int32_t e = m->head[v]; e >= 0; e = m->enext[e]) {
+            PyObject *x = Py_BuildValue("(iii)", (int)v, m->etok[e], m->edst[e]);
+            if (!x || PyList_Append(edges, x) < 0) { Py_XDECREF(x); Py_DECREF(states); Py_DECREF(edges); return NULL; }
+            Py_DECREF(x);
+        }
+    }
+    return Py_BuildValue("(NN)", states, edges);
 }
 
 static PyMethodDef methods[] = {
@@ -494,6 +749,13 @@ static PyMethodDef methods[] = {
      " -> (state, length)"},
     {"chain", chain, METH_VARARGS,
      "chain(view, state, length, min_match, limit, conf_limit, min_prob, conf) -> (tokens, probs, score, state) | None"},
+    {"group_new", group_new, METH_NOARGS, "group_new() -> a growing group index (one node: the root)"},
+    {"group_push", group_push, METH_VARARGS, "group_push(group, cursor, tokens) -> the new end state"},
+    {"group_advance", group_advance, METH_VARARGS,
+     "group_advance(group, state, length, generated, start, n, window, start_token) -> (state, length)"},
+    {"group_chain", group_chain, METH_VARARGS,
+     "group_chain(group, state, length, min_match, limit, conf_limit, min_prob, conf) -> (tokens, probs, score, state) | None"},
+    {"group_columns", group_columns, METH_VARARGS, "group_columns(group) -> ([(ln, link, cnt)], [(state, token, child)])"},
     {NULL, NULL, 0, NULL},
 };
 

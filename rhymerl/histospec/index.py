@@ -471,9 +471,41 @@ except ImportError:  # not compiled (source checkout without `pip install -e .`)
     _samc = None
 
 BUILDER = "compiled" if _samc is not None else "python"
-# The proposer's per-step reads of frozen indexes (the same walks as its pure-Python ones).
-DRAFT_READS = _samc is not None and hasattr(_samc, "chain")
+# The proposer's per-step reads of frozen indexes and its growing group indexes in compiled
+# code (the same automata and walks as the pure-Python ones).
+DRAFT_READS = _samc is not None and hasattr(_samc, "group_chain")
 _warned = False
+
+
+class CompiledGroupIndex:
+    """A GRPO group's growing index in compiled code (``_samc.group_*``): the same automaton
+    as ``SuffixAutomaton(online=True)`` grown by ``push_at`` (states, counts and edges; a
+    test compares them), read by the proposer's compiled match and greedy walk. Every
+    sibling's emitted tokens are pushed into it each engine step, which in Python was the
+    largest remaining share of the proposer's time. Unweighted (groups weigh 1)."""
+
+    __slots__ = ("handle", "num_tokens", "num_seqs", "version")
+
+    def __init__(self) -> None:
+        self.handle = _samc.group_new()
+        self.num_tokens = 0
+        self.num_seqs = 0
+        # Bumped on every change, as SuffixAutomaton's, so cached matches re-match.
+        self.version = 0
+
+    def push_at(self, cursor: int, tokens: Sequence[int]) -> int:
+        """``SuffixAutomaton.push_at``: extend the sequence ending at ``cursor`` (0 = a new one)."""
+        if cursor == 0:
+            self.num_seqs += 1
+        cursor = _samc.group_push(self.handle, cursor, tokens)
+        self.num_tokens += len(tokens)
+        if len(tokens):
+            self.version += 1
+        return cursor
+
+    def columns(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
+        """(ln, link, count) per state and (state, token, child) per edge."""
+        return _samc.group_columns(self.handle)
 
 
 def build_frozen(sequences: Sequence[Sequence[int]], weights: Optional[Sequence[float]] = None

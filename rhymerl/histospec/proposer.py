@@ -55,7 +55,8 @@ from typing import Optional, Sequence
 
 from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec.goodput import AcceptanceTracker, StepCostModel, draft_can_pay, plan_step, remaining_cap
-from rhymerl.histospec.index import NO_CHILD, START, FrozenSuffixAutomaton, SuffixAutomaton, _samc
+from rhymerl.histospec import index as _index
+from rhymerl.histospec.index import NO_CHILD, START, CompiledGroupIndex, FrozenSuffixAutomaton, SuffixAutomaton, _samc
 from rhymerl.histospec.store import HistoryStore
 
 # Draft sources, in the order they are consulted (ties go to the earlier one).
@@ -112,6 +113,11 @@ class _Match:
             st, ln, start = 0, 0, max(0, n - window)
         else:
             st, ln, start = self.state, self.length, self.pos
+        if isinstance(sam, CompiledGroupIndex):
+            st, ln = _samc.group_advance(sam.handle, st, ln, generated, start, n, window, START)
+            self.state, self.length, self.version, self.pos = st, ln, sam.version, n
+            self.last = generated[-1] if n > 1 else START
+            return
         if not reward and isinstance(sam, FrozenSuffixAutomaton) and (view := sam.compiled()) is not None:
             st, ln = _samc.advance(view, st, ln, generated, start, n, window, START)
             self.state, self.length, self.version, self.pos = st, ln, sam.version, n
@@ -173,8 +179,9 @@ class _Req:
 class _Group:
     __slots__ = ("sam", "members")
 
-    def __init__(self) -> None:
-        self.sam = SuffixAutomaton()
+    def __init__(self, compiled: bool) -> None:
+        # Tree drafts grow side branches from the Python automaton's children.
+        self.sam = CompiledGroupIndex() if compiled else SuffixAutomaton()
         self.members = 0
 
 
@@ -288,7 +295,7 @@ class DraftProposer:
         if cfg.enabled and cfg.include_siblings and group is not None:
             g = self._groups.get(group)
             if g is None:
-                g = self._groups[group] = _Group()
+                g = self._groups[group] = _Group(_index.DRAFT_READS and not cfg.tree)
                 if prompt:
                     # No START marker: the prompt is matched mid-text, never as a response's start.
                     g.sam.push_at(0, [int(t) for t in prompt])
@@ -489,6 +496,10 @@ class DraftProposer:
         cfg = self.cfg
         sam = m.sam
         v, length = m.state, m.length
+        if isinstance(sam, CompiledGroupIndex):
+            got = _samc.group_chain(sam.handle, v, length, cfg.min_match, limit, conf_limit, cfg.min_prob,
+                                    cfg.adaptive_conf)
+            return None if got is None else (*got, sam)
         if walk is _walk and not self._reward and isinstance(sam, FrozenSuffixAutomaton) \
                 and (view := sam.compiled()) is not None:
             got = _samc.chain(view, v, length, cfg.min_match, limit, conf_limit, cfg.min_prob, cfg.adaptive_conf)

@@ -255,3 +255,60 @@ def test_compiled_reads_refuse_what_is_not_an_index():
         index._samc.view(frozen.ln, frozen.link, frozen.cnt, frozen.off, frozen.etok, np.zeros(3))
     with pytest.raises(ValueError):
         index._samc.view(frozen.ln, frozen.link, frozen.cnt, frozen.ln, frozen.etok, frozen.edst)
+
+
+@pytest.mark.parametrize("alphabet", [2, 6, 49152])
+def test_compiled_group_index_grows_the_python_automaton(alphabet):
+    """A group's compiled index, grown the way the proposer grows it (the prompt, then
+    siblings' tokens pushed interleaved a few at a time), holds the online automaton's
+    states, links, counts and edges, and its compiled match and greedy walk (by most
+    frequent child, probabilities over the children that exist) equal the Python ones."""
+    from rhymerl.histospec import index
+    from rhymerl.histospec.proposer import _Match, _walk_group
+
+    assert index.DRAFT_READS
+    rng = np.random.default_rng(alphabet)
+    for trial in range(6):
+        py, c = SuffixAutomaton(), index.CompiledGroupIndex()
+        prompt = rng.integers(0, alphabet, size=int(rng.integers(0, 20))).tolist()
+        assert py.push_at(0, prompt) == c.push_at(0, prompt)
+        base = rng.integers(0, alphabet, size=90)
+        sibs = [np.where(rng.random(90) < 0.25, rng.integers(0, alphabet, size=90), base).tolist() for _ in range(4)]
+        cur_py, cur_c, pos = [0] * 4, [0] * 4, [0] * 4
+        for k in range(4):
+            cur_py[k], cur_c[k] = py.push_at(0, [index.START]), c.push_at(0, [index.START])
+        while any(p < 90 for p in pos):
+            k = int(rng.integers(0, 4))
+            step = sibs[k][pos[k]:pos[k] + int(rng.integers(1, 4))]
+            cur_py[k], cur_c[k] = py.push_at(cur_py[k], step), c.push_at(cur_c[k], step)
+            assert cur_py[k] == cur_c[k]
+            pos[k] += len(step)
+            if rng.random() < 0.2:  # reads while the index grows
+                gen = sibs[k][:pos[k]]
+                a, b = _Match(py), _Match(c)
+                a.advance(gen, 7)
+                b.advance(gen, 7)
+                assert (a.state, a.length) == (b.state, b.length)
+                for limit, conf_limit, min_prob in ((8, 8, 0.0), (2, 16, 0.2)):
+                    want = _walk_group(py, a.state, limit, conf_limit, min_prob, False, 0.6)
+                    got = index._samc.group_chain(c.handle, b.state, max(1, b.length), 1, limit, conf_limit,
+                                                  min_prob, 0.6)
+                    if want[0]:
+                        assert got is not None and got[:3] == want
+        states, edges = c.columns()
+        assert states == list(zip(py.ln, py.link, py.cnt))
+        assert sorted(edges) == sorted((v, t, u) for v, d in enumerate(py.nxt) for t, u in d.items())
+        assert (c.num_tokens, c.num_seqs) == (py.num_tokens, py.num_seqs) and c.version > 0
+
+
+def test_compiled_group_index_refuses_bad_input():
+    from rhymerl.histospec import index
+
+    c = index.CompiledGroupIndex()
+    with pytest.raises(IndexError):
+        c.push_at(5, [1, 2])
+    with pytest.raises(OverflowError):
+        c.push_at(0, [1 << 40])
+    with pytest.raises(IndexError):
+        index._samc.group_advance(c.handle, 0, 0, [1], 0, 5, 7, index.START)
+    assert index._samc.group_chain(c.handle, 0, 0, 1, 8, 8, 0.0, 1.0) is None
