@@ -533,26 +533,6 @@ static int64_t fz_len(const void *ix, int64_t s) { return col(&((const View *)ix
 static Py_ssize_t fz_nstates(const void *ix) { return ((const View *)ix)->nstates; }
 static const Reads FROZEN = {fz_trans, fz_next, fz_link, fz_len, fz_nstates};
 
-static PyObject *advance(PyObject *self, PyObject *args) {
-    PyObject *cap, *gen;
-    long long st, ln, start, n, window, start_tok;
-    if (!PyArg_ParseTuple(args, "OLLOLLLL", &cap, &st, &ln, &gen, &start, &n, &window, &start_tok)) return NULL;
-    View *v = view_of(cap);
-    if (!v) return NULL;
-    return advance_with(&FROZEN, v, gen, st, ln, start, n, window, start_tok);
-}
-
-static PyObject *chain(PyObject *self, PyObject *args) {
-    PyObject *cap;
-    long long st, ln, min_match, limit, conf_limit;
-    double min_prob, conf;
-    if (!PyArg_ParseTuple(args, "OLLLLLdd", &cap, &st, &ln, &min_match, &limit, &conf_limit, &min_prob, &conf))
-        return NULL;
-    View *v = view_of(cap);
-    if (!v) return NULL;
-    return chain_with(&FROZEN, v, st, ln, min_match, limit, conf_limit, min_prob, conf);
-}
-
 /* ---------------------------------------------------------------- growing group index
  *
  * A GRPO group's index (the prompt, then every sibling's tokens as they are emitted, several
@@ -699,24 +679,36 @@ static int64_t gr_len(const void *ix, int64_t s) { return ((const Group *)ix)->m
 static Py_ssize_t gr_nstates(const void *ix) { return (Py_ssize_t)((const Group *)ix)->m.nstates; }
 static const Reads GROWING = {gr_trans, gr_next, gr_link, gr_len, gr_nstates};
 
-static PyObject *group_advance(PyObject *self, PyObject *args) {
+/* The index behind a handle: a frozen view or a growing group index. */
+static const void *index_of(PyObject *cap, const Reads **reads) {
+    if (PyCapsule_IsValid(cap, "rhymerl.samc.group")) {
+        *reads = &GROWING;
+        return group_of(cap);
+    }
+    *reads = &FROZEN;
+    return view_of(cap);
+}
+
+static PyObject *advance(PyObject *self, PyObject *args) {
     PyObject *cap, *gen;
     long long st, ln, start, n, window, start_tok;
     if (!PyArg_ParseTuple(args, "OLLOLLLL", &cap, &st, &ln, &gen, &start, &n, &window, &start_tok)) return NULL;
-    Group *g = group_of(cap);
-    if (!g) return NULL;
-    return advance_with(&GROWING, g, gen, st, ln, start, n, window, start_tok);
+    const Reads *r;
+    const void *ix = index_of(cap, &r);
+    if (!ix) return NULL;
+    return advance_with(r, ix, gen, st, ln, start, n, window, start_tok);
 }
 
-static PyObject *group_chain(PyObject *self, PyObject *args) {
+static PyObject *chain(PyObject *self, PyObject *args) {
     PyObject *cap;
     long long st, ln, min_match, limit, conf_limit;
     double min_prob, conf;
     if (!PyArg_ParseTuple(args, "OLLLLLdd", &cap, &st, &ln, &min_match, &limit, &conf_limit, &min_prob, &conf))
         return NULL;
-    Group *g = group_of(cap);
-    if (!g) return NULL;
-    return chain_with(&GROWING, g, st, ln, min_match, limit, conf_limit, min_prob, conf);
+    const Reads *r;
+    const void *ix = index_of(cap, &r);
+    if (!ix) return NULL;
+    return chain_with(r, ix, st, ln, min_match, limit, conf_limit, min_prob, conf);
 }
 
 /* (ln, link, cnt) per state and (state, token, child) per edge: for tests against the
@@ -745,16 +737,13 @@ static PyMethodDef methods[] = {
      "build(tokens_i32, offsets_i64, weights_f64) -> (ln, link, cnt, wcnt, off, etok, edst) as bytes"},
     {"view", view, METH_VARARGS, "view(ln, link, cnt, off, etok, edst) -> a handle on a frozen index's columns"},
     {"advance", advance, METH_VARARGS,
-     "advance(view, state, length, generated (list, tuple or 1-D int buffer), start, n, window, start_token)"
+     "advance(view or group, state, length, generated (list, tuple or 1-D int buffer), start, n, window, start_token)"
      " -> (state, length)"},
     {"chain", chain, METH_VARARGS,
-     "chain(view, state, length, min_match, limit, conf_limit, min_prob, conf) -> (tokens, probs, score, state) | None"},
+     "chain(view or group, state, length, min_match, limit, conf_limit, min_prob, conf)"
+     " -> (tokens, probs, score, state) | None"},
     {"group_new", group_new, METH_NOARGS, "group_new() -> a growing group index (one node: the root)"},
     {"group_push", group_push, METH_VARARGS, "group_push(group, cursor, tokens) -> the new end state"},
-    {"group_advance", group_advance, METH_VARARGS,
-     "group_advance(group, state, length, generated, start, n, window, start_token) -> (state, length)"},
-    {"group_chain", group_chain, METH_VARARGS,
-     "group_chain(group, state, length, min_match, limit, conf_limit, min_prob, conf) -> (tokens, probs, score, state) | None"},
     {"group_columns", group_columns, METH_VARARGS, "group_columns(group) -> ([(ln, link, cnt)], [(state, token, child)])"},
     {NULL, NULL, 0, NULL},
 };

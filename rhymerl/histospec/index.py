@@ -473,7 +473,7 @@ except ImportError:  # not compiled (source checkout without `pip install -e .`)
 BUILDER = "compiled" if _samc is not None else "python"
 # The proposer's per-step reads of frozen indexes and its growing group indexes in compiled
 # code (the same automata and walks as the pure-Python ones).
-DRAFT_READS = _samc is not None and hasattr(_samc, "group_chain")
+DRAFT_READS = _samc is not None and hasattr(_samc, "group_new")
 _warned = False
 
 

@@ -113,12 +113,7 @@ class _Match:
             st, ln, start = 0, 0, max(0, n - window)
         else:
             st, ln, start = self.state, self.length, self.pos
-        if isinstance(sam, CompiledGroupIndex):
-            st, ln = _samc.group_advance(sam.handle, st, ln, generated, start, n, window, START)
-            self.state, self.length, self.version, self.pos = st, ln, sam.version, n
-            self.last = generated[-1] if n > 1 else START
-            return
-        if not reward and isinstance(sam, FrozenSuffixAutomaton) and (view := sam.compiled()) is not None:
+        if (view := _compiled(sam, reward)) is not None:
             st, ln = _samc.advance(view, st, ln, generated, start, n, window, START)
             self.state, self.length, self.version, self.pos = st, ln, sam.version, n
             self.last = generated[-1] if n > 1 else START
@@ -154,6 +149,16 @@ class _Match:
                     st = link[st]
         self.state, self.length, self.version, self.pos = st, ln, sam.version, n
         self.last = generated[-1] if n > 1 else START
+
+
+def _compiled(sam, reward: bool):
+    """The compiled handle to read ``sam`` through, or None for the Python walks: a group's
+    compiled index, or a frozen index unless drafts follow reward-weighted counts."""
+    if isinstance(sam, CompiledGroupIndex):
+        return sam.handle
+    if not reward and isinstance(sam, FrozenSuffixAutomaton):
+        return sam.compiled()
+    return None
 
 
 class _Req:
@@ -496,12 +501,7 @@ class DraftProposer:
         cfg = self.cfg
         sam = m.sam
         v, length = m.state, m.length
-        if isinstance(sam, CompiledGroupIndex):
-            got = _samc.group_chain(sam.handle, v, length, cfg.min_match, limit, conf_limit, cfg.min_prob,
-                                    cfg.adaptive_conf)
-            return None if got is None else (*got, sam)
-        if walk is _walk and not self._reward and isinstance(sam, FrozenSuffixAutomaton) \
-                and (view := sam.compiled()) is not None:
+        if (view := _compiled(sam, self._reward)) is not None:
             got = _samc.chain(view, v, length, cfg.min_match, limit, conf_limit, cfg.min_prob, cfg.adaptive_conf)
             return None if got is None else (*got, sam)
         lens, link = sam.ln, sam.link

@@ -291,8 +291,7 @@ def test_compiled_group_index_grows_the_python_automaton(alphabet):
                 assert (a.state, a.length) == (b.state, b.length)
                 for limit, conf_limit, min_prob in ((8, 8, 0.0), (2, 16, 0.2)):
                     want = _walk_group(py, a.state, limit, conf_limit, min_prob, False, 0.6)
-                    got = index._samc.group_chain(c.handle, b.state, max(1, b.length), 1, limit, conf_limit,
-                                                  min_prob, 0.6)
+                    got = index._samc.chain(c.handle, b.state, max(1, b.length), 1, limit, conf_limit, min_prob, 0.6)
                     if want[0]:
                         assert got is not None and got[:3] == want
         states, edges = c.columns()
@@ -310,5 +309,5 @@ def test_compiled_group_index_refuses_bad_input():
     with pytest.raises(OverflowError):
         c.push_at(0, [1 << 40])
     with pytest.raises(IndexError):
-        index._samc.group_advance(c.handle, 0, 0, [1], 0, 5, 7, index.START)
-    assert index._samc.group_chain(c.handle, 0, 0, 1, 8, 8, 0.0, 1.0) is None
+        index._samc.advance(c.handle, 0, 0, [1], 0, 5, 7, index.START)
+    assert index._samc.chain(c.handle, 0, 0, 1, 8, 8, 0.0, 1.0) is None
