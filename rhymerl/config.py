@@ -185,12 +185,12 @@ class HistoSpecConfig:
     step_cost_per_drafting_request_ms: float = 0.0
     step_cost_prior_steps: float = 1.0
     # goodput rule: CPU time the proposer spends searching one request's chain, in
-    # microseconds (13-21 on a 2-core CPU host with the compiled index reads, 18-29 without;
-    # measured as the engine runs with step_cost: measured). A request whose best
+    # microseconds (9-12 on a 2-core CPU host with the compiled indexes, 18-29 with the
+    # Python ones; measured as the engine runs with step_cost: measured). A request whose best
     # conceivable draft could not repay its verification and this search is not searched
     # that step: on a GPU at a high batch an accepted token saves a fraction of a
     # millisecond, of the order of the search itself.
-    draft_search_us: float = 20.0
+    draft_search_us: float = 12.0
     # goodput rule: prior acceptance multiplier a (P(accept) = min(1, a * history prob)) and its weight.
     acceptance_prior: float = 0.5
     acceptance_prior_weight: float = 4.0
