@@ -293,6 +293,7 @@ done:
 typedef struct {
     const char *p;
     char code;
+    Py_ssize_t size;
 } Col;
 
 typedef struct {
@@ -302,16 +303,31 @@ typedef struct {
     Py_ssize_t nstates;
 } View;
 
-static inline int64_t col(const Col *c, Py_ssize_t i) {
-    switch (c->code) {
-    case 'h': return ((const int16_t *)c->p)[i];
-    case 'H': return ((const uint16_t *)c->p)[i];
-    case 'i': return ((const int32_t *)c->p)[i];
-    case 'I': return ((const uint32_t *)c->p)[i];
-    case 'l': return ((const long *)c->p)[i];
-    case 'L': return (int64_t)((const unsigned long *)c->p)[i];
-    default: return ((const int64_t *)c->p)[i]; /* 'q' */
+/* The integer at p, of the struct-module type ``code`` (one that ``int_code`` accepted). */
+static inline int64_t read_int(const char *p, char code) {
+    switch (code) {
+    case 'h': return *(const int16_t *)p;
+    case 'H': return *(const uint16_t *)p;
+    case 'i': return *(const int32_t *)p;
+    case 'I': return *(const uint32_t *)p;
+    case 'l': return *(const long *)p;
+    case 'L': return (int64_t)*(const unsigned long *)p;
+    default: return *(const int64_t *)p; /* 'q' */
     }
+}
+
+/* The type code of a buffer of native integers, or 0 (any other format or item size). */
+static char int_code(const Py_buffer *b) {
+    const char *f = b->format ? b->format : "B";
+    if (f[0] == '@' || f[0] == '=') f++;
+    char code = f[0];
+    size_t want = code == 'h' || code == 'H' ? 2 : code == 'i' || code == 'I' ? 4
+                : code == 'l' || code == 'L' ? sizeof(long) : code == 'q' ? 8 : 0;
+    return want && !f[1] && (size_t)b->itemsize == want ? code : 0;
+}
+
+static inline int64_t col(const Col *c, Py_ssize_t i) {
+    return read_int(c->p + i * c->size, c->code);
 }
 
 static void view_free(PyObject *cap) {
@@ -331,18 +347,15 @@ static PyObject *view(PyObject *self, PyObject *args) {
         Py_buffer *b = &v->buf[i];
         if (PyObject_GetBuffer(cols[i], b, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) goto fail;
         v->nbuf++;
-        const char *f = b->format ? b->format : "B";
-        if (f[0] == '@' || f[0] == '=') f++;
-        char code = f[0];
-        size_t want = code == 'h' || code == 'H' ? 2 : code == 'i' || code == 'I' ? 4
-                    : code == 'l' || code == 'L' ? sizeof(long) : code == 'q' ? 8 : 0;
-        if (!want || f[1] || (size_t)b->itemsize != want) {
+        char code = int_code(b);
+        if (!code) {
             PyErr_Format(PyExc_TypeError, "view: column %d has format %s, not a signed or unsigned integer", i,
                          b->format ? b->format : "?");
             goto fail;
         }
         dst[i]->p = b->buf;
         dst[i]->code = code;
+        dst[i]->size = b->itemsize;
     }
     v->nstates = v->buf[0].len / v->buf[0].itemsize;
     if (v->buf[1].len / v->buf[1].itemsize != v->nstates || v->buf[2].len / v->buf[2].itemsize != v->nstates
@@ -392,12 +405,8 @@ static int tokens_open(Tokens *t, PyObject *gen) {
     memset(t, 0, sizeof(*t));
     if (!PyList_Check(gen) && !PyTuple_Check(gen) && PyObject_CheckBuffer(gen)) {
         if (PyObject_GetBuffer(gen, &t->gb, PyBUF_FORMAT | PyBUF_STRIDES) < 0) return -1;
-        const char *f = t->gb.format ? t->gb.format : "B";
-        if (f[0] == '@' || f[0] == '=') f++;
-        t->code = f[0];
-        size_t want = t->code == 'h' || t->code == 'H' ? 2 : t->code == 'i' || t->code == 'I' ? 4
-                    : t->code == 'l' ? sizeof(long) : t->code == 'q' ? 8 : 0;
-        if (t->gb.ndim != 1 || !want || f[1] || (size_t)t->gb.itemsize != want) {
+        t->code = int_code(&t->gb);
+        if (t->gb.ndim != 1 || !t->code) {
             PyBuffer_Release(&t->gb);
             PyErr_SetString(PyExc_TypeError, "generated must be a list of ints or a 1-D integer buffer");
             return -1;
@@ -415,15 +424,7 @@ static int tokens_open(Tokens *t, PyObject *gen) {
 /* Token i; -1 with an exception set on a bad item (-1 is also START: check PyErr_Occurred). */
 static inline int64_t tokens_get(const Tokens *t, Py_ssize_t i) {
     if (t->fast) return PyLong_AsLongLong(t->items[i]);
-    const char *p = (const char *)t->gb.buf + i * (t->gb.strides ? t->gb.strides[0] : t->gb.itemsize);
-    switch (t->code) {
-    case 'h': return *(const int16_t *)p;
-    case 'H': return *(const uint16_t *)p;
-    case 'i': return *(const int32_t *)p;
-    case 'I': return *(const uint32_t *)p;
-    case 'l': return *(const long *)p;
-    default: return *(const int64_t *)p; /* 'q' */
-    }
+    return read_int((const char *)t->gb.buf + i * (t->gb.strides ? t->gb.strides[0] : t->gb.itemsize), t->code);
 }
 
 static void tokens_close(Tokens *t) {
@@ -542,32 +543,23 @@ static const Reads FROZEN = {fz_trans, fz_next, fz_link, fz_len, fz_nstates};
  * over the children that exist: the ends of siblings in flight are "not generated yet", not
  * "the response stopped here".
  */
+/* Resize the array ``ptr`` to n items: 0, or -1 with ``ptr`` kept (``tmp`` is a void *). */
+#define GROW(ptr, n) ((tmp = realloc((ptr), (n) * sizeof(*(ptr)))) ? ((ptr) = tmp, 0) : -1)
+
+/* Room for an automaton of ntok symbols: the bounds ``sam_alloc`` allocates for at once,
+ * grown by doubling, and the edge hash rehashed to stay at most half full. */
 static int sam_reserve(Sam *m, size_t ntok) {
     size_t need_s = 2 * ntok + 2, need_e = 3 * ntok + 2;
+    void *tmp;
     if (need_s > m->cap_states) {
         size_t cap = m->cap_states * 2 > need_s ? m->cap_states * 2 : need_s;
-        int32_t *ln = realloc(m->ln, cap * sizeof(int32_t));
-        if (ln) m->ln = ln;
-        int32_t *link = realloc(m->link, cap * sizeof(int32_t));
-        if (link) m->link = link;
-        int32_t *head = realloc(m->head, cap * sizeof(int32_t));
-        if (head) m->head = head;
-        int64_t *cnt = realloc(m->cnt, cap * sizeof(int64_t));
-        if (cnt) m->cnt = cnt;
-        double *wcnt = realloc(m->wcnt, cap * sizeof(double));
-        if (wcnt) m->wcnt = wcnt;
-        if (!ln || !link || !head || !cnt || !wcnt) return -1;
+        if (GROW(m->ln, cap) || GROW(m->link, cap) || GROW(m->head, cap) || GROW(m->cnt, cap) || GROW(m->wcnt, cap))
+            return -1;
         m->cap_states = cap;
     }
     if (need_e > m->cap_edges) {
         size_t cap = m->cap_edges * 2 > need_e ? m->cap_edges * 2 : need_e;
-        int32_t *etok = realloc(m->etok, cap * sizeof(int32_t));
-        if (etok) m->etok = etok;
-        int32_t *edst = realloc(m->edst, cap * sizeof(int32_t));
-        if (edst) m->edst = edst;
-        int32_t *enext = realloc(m->enext, cap * sizeof(int32_t));
-        if (enext) m->enext = enext;
-        if (!etok || !edst || !enext) return -1;
+        if (GROW(m->etok, cap) || GROW(m->edst, cap) || GROW(m->enext, cap)) return -1;
         m->cap_edges = cap;
         size_t h = m->hmask + 1;
         if (h < 2 * cap) {
