@@ -115,40 +115,62 @@ class _Match:
             st, ln, start = self.state, self.length, self.pos
         if (view := _compiled(sam, reward)) is not None:
             st, ln = _samc.advance(view, st, ln, generated, start, n, window, START)
-            self.state, self.length, self.version, self.pos = st, ln, sam.version, n
-            self.last = generated[-1] if n > 1 else START
-            return
-        trans, link, lens = sam.trans, sam.link, sam.ln
-        # best(state) -> (token, child) of the preferred continuation (token NO_CHILD if none).
-        if isinstance(sam, FrozenSuffixAutomaton) and not reward:
-            best = sam.best
         else:
-            arrays = sam._arrays.get(reward)
-            best = None if arrays is None else (lambda s, bt=arrays[0], bd=arrays[1]: (bt[s], bd[s]))
-        for i in range(start, n):
-            c = generated[i - 1] if i else START
-            if best is not None and (b := best(st))[0] == c:
-                # Fast path: accepted draft tokens are exactly the preferred children.
-                st = b[1]
-                ln += 1
-            else:
-                while True:
-                    q = trans(st, c)
-                    if q >= 0:
-                        st = q
-                        ln += 1
-                        break
-                    if st == 0:
-                        ln = 0
-                        break
-                    st = link[st]
-                    ln = lens[st]
-            if ln > window:
-                ln = window
-                while lens[link[st]] >= window:
-                    st = link[st]
+            st, ln = _python_advance(sam, st, ln, generated, start, n, window, reward)
         self.state, self.length, self.version, self.pos = st, ln, sam.version, n
         self.last = generated[-1] if n > 1 else START
+
+
+def _python_advance(sam, st: int, ln: int, generated: Sequence[int], start: int, n: int, window: int,
+                    reward: bool) -> tuple[int, int]:
+    """The match (st, ln) extended by positions [start, n) of the response behind a virtual
+    START marker, at most ``window`` tokens long (what ``_samc.advance`` compiles)."""
+    trans, link, lens = sam.trans, sam.link, sam.ln
+    # best(state) -> (token, child) of the preferred continuation (token NO_CHILD if none).
+    if isinstance(sam, FrozenSuffixAutomaton) and not reward:
+        best = sam.best
+    else:
+        arrays = sam._arrays.get(reward)
+        best = None if arrays is None else (lambda s, bt=arrays[0], bd=arrays[1]: (bt[s], bd[s]))
+    for i in range(start, n):
+        c = generated[i - 1] if i else START
+        if best is not None and (b := best(st))[0] == c:
+            # Fast path: accepted draft tokens are exactly the preferred children.
+            st = b[1]
+            ln += 1
+        else:
+            while True:
+                q = trans(st, c)
+                if q >= 0:
+                    st = q
+                    ln += 1
+                    break
+                if st == 0:
+                    ln = 0
+                    break
+                st = link[st]
+                ln = lens[st]
+        if ln > window:
+            ln = window
+            while lens[link[st]] >= window:
+                st = link[st]
+    return st, ln
+
+
+def _python_chain(sam, walk, v: int, length: int, min_match: int, limit: int, conf_limit: int, min_prob: float,
+                  reward: bool, conf: float):
+    """(tokens, cond_probs, score, state) of ``walk``'s chain after the match (v, length),
+    backing off to shorter matches while it is empty; None below ``min_match`` (what
+    ``_samc.chain`` compiles)."""
+    lens, link = sam.ln, sam.link
+    while length >= min_match:
+        toks, probs, score = walk(sam, v, limit, conf_limit, min_prob, reward, conf)
+        if toks:
+            return toks, probs, score, v
+        # Back off to the next shorter match (the release tries 7, 6, 5, 4).
+        v = link[v]
+        length = lens[v]
+    return None
 
 
 def _compiled(sam, reward: bool):
@@ -503,16 +525,10 @@ class DraftProposer:
         v, length = m.state, m.length
         if (view := _compiled(sam, self._reward)) is not None:
             got = _samc.chain(view, v, length, cfg.min_match, limit, conf_limit, cfg.min_prob, cfg.adaptive_conf)
-            return None if got is None else (*got, sam)
-        lens, link = sam.ln, sam.link
-        while length >= cfg.min_match:
-            toks, probs, score = walk(sam, v, limit, conf_limit, cfg.min_prob, self._reward, cfg.adaptive_conf)
-            if toks:
-                return toks, probs, score, v, sam
-            # Back off to the next shorter match (the release tries 7, 6, 5, 4).
-            v = link[v]
-            length = lens[v]
-        return None
+        else:
+            got = _python_chain(sam, walk, v, length, cfg.min_match, limit, conf_limit, cfg.min_prob, self._reward,
+                                cfg.adaptive_conf)
+        return None if got is None else (*got, sam)
 
     def _grow_tree(self, sam, root_state, toks, probs, parents, budget, depth_limit):
         """Add the most probable side branches to a chain, up to ``budget`` nodes."""

@@ -197,7 +197,7 @@ def test_compiled_drafting_reads_equal_the_python_ones(alphabet, monkeypatch):
     ``_samc.chain``) give its pure-Python walks' states, lengths, tokens and probabilities,
     on columns of every width the index uses (a 49k vocabulary needs wider ones)."""
     from rhymerl.histospec import index
-    from rhymerl.histospec.proposer import _Match, _walk
+    from rhymerl.histospec.proposer import _Match, _python_chain, _walk
 
     assert index.DRAFT_READS  # the suite runs on an installed package
     rng = np.random.default_rng(alphabet)
@@ -222,14 +222,7 @@ def test_compiled_drafting_reads_equal_the_python_ones(alphabet, monkeypatch):
     def _chain_from(m, min_match, limit, conf_limit, min_prob, conf, compiled):
         if compiled:
             return index._samc.chain(frozen.compiled(), m.state, m.length, min_match, limit, conf_limit, min_prob, conf)
-        v, length = m.state, m.length
-        while length >= min_match:
-            toks, probs, score = _walk(frozen, v, limit, conf_limit, min_prob, False, conf)
-            if toks:
-                return toks, probs, score, v
-            v = frozen.link[v]
-            length = frozen.ln[v]
-        return None
+        return _python_chain(frozen, _walk, m.state, m.length, min_match, limit, conf_limit, min_prob, False, conf)
 
     limits = [(1, 8, 8, 0.0, 1.0), (2, 4, 16, 0.05, 0.6), (3, 2, 32, 0.3, 0.9), (1, 64, 64, 1e-9, 1.0)]
     for trial in range(12):
