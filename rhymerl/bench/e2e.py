@@ -31,29 +31,34 @@ def split_method(spec: str) -> tuple[str, list[str]]:
     return name.strip(), [o.strip() for o in overrides if o.strip()]
 
 
-def _run_variant(base_cfg, groups, spec: str, epochs: int, run_dir: Path) -> dict:
-    from rhymerl.collectives import WorldComm
+def variant_config(base_cfg, spec: str, epochs: int, run_dir: Path):
+    """The run's config as one variant runs it: the method's own overrides, its drafter,
+    HistoPipe on unless it is ``none``, ``epochs`` epochs into ``run_dir``."""
     from rhymerl.config import from_dict, to_dict, with_overrides
-    from rhymerl.trainer import Trainer
 
     method, overrides = split_method(spec)
     d = with_overrides(to_dict(base_cfg), overrides)
     d["run"]["output_dir"] = str(run_dir)
     d["run"]["epochs"] = epochs
     d["run"]["max_steps"] = 0
-    on = method != "none"
     d["rollout"]["speculative"] = method
-    d["histopipe"]["enabled"] = on
-    cfg = from_dict(d)
+    d["histopipe"]["enabled"] = method != "none"
+    return from_dict(d)
+
+
+def _run_variant(cfg, groups, label: str) -> dict:
+    from rhymerl.collectives import WorldComm
+    from rhymerl.trainer import Trainer
+
     trainer = Trainer(cfg, WorldComm(), groups)
     rows = []
     try:
-        total = epochs * trainer.sampler.steps_per_epoch
+        total = cfg.run.epochs * trainer.sampler.steps_per_epoch
         while trainer.step < total:
             out = trainer.train_step()
             m = out.metrics
             rows.append(step_row(out.epoch, m))
-            print(f"[bench e2e] {spec if on else 'off'} step {out.step} epoch {out.epoch} "
+            print(f"[bench e2e] {label} step {out.step} epoch {out.epoch} "
                   f"step {m['time/step_s']:.2f}s rollout {m.get('time/rollout_s', 0):.2f}s "
                   f"train {m.get('time/train_s', 0):.2f}s reward {m['reward/mean']:.3f} "
                   f"tok/fwd {rows[-1]['tokens_per_forward']:.2f}", file=sys.stderr)
@@ -122,40 +127,43 @@ def main(argv: list[str]) -> int:
     if bad or not methods:
         ap.error(f"--methods: unknown {bad or methods}; allowed: {', '.join(METHODS)}")
     from rhymerl.bench.rollout import quiet_stdout
-    from rhymerl.config import ConfigError, from_dict, load_config, to_dict, with_overrides
+    from rhymerl.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, ValueError) as e:
         ap.error(str(e))
-    for spec in methods:
-        # A method's own overrides fail here, on the run's config, before any variant has run for minutes.
+    # Every variant's config is built here, so a method's own overrides fail before any
+    # variant has run for minutes.
+    variants = {}
+    for spec in ["none", *methods]:
+        label = "off" if spec == "none" else spec
         try:
-            from_dict(with_overrides(to_dict(cfg), split_method(spec)[1]))
+            variants[label] = variant_config(cfg, spec, args.epochs,
+                                             Path(args.out) / label.replace("@", "+").replace("=", "-"))
         except (ConfigError, ValueError) as e:
             ap.error(f"--methods {spec}: {e}")
 
     with quiet_stdout():
-        out = _run(args, methods, cfg)
+        out = _run(args, variants)
     if args.json:
         print(json.dumps(out))
     return 0
 
 
-def _run(args, methods: list[str], cfg) -> dict:
+def _run(args, configs: dict) -> dict:
+    """``configs``: each variant's config by label, ``off`` first."""
     from rhymerl.training.process_groups import init_process_groups
 
-    groups = init_process_groups(cfg.parallel, 1, 0)
+    groups = init_process_groups(configs["off"].parallel, 1, 0)
     t0 = time.time()
     # Every trainer stays alive until the end: shutting down the last live vLLM engine tears
     # down the process-wide torch.distributed state the next trainer's Megatron needs.
     trainers = []
     variants: dict = {}
     try:
-        for method in ["none", *methods]:
-            label = "off" if method == "none" else method
-            variants[label], t = _run_variant(cfg, groups, method, args.epochs,
-                                              Path(args.out) / label.replace("@", "+").replace("=", "-"))
+        for label, vcfg in configs.items():
+            variants[label], t = _run_variant(vcfg, groups, label)
             trainers.append(t)
     finally:
         for t in reversed(trainers):
