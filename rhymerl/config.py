@@ -221,7 +221,9 @@ class HistoPipeConfig:
     # A running response is a straggler past exp(log-mean + z * within-group sigma) tokens.
     straggler_z: float = 2.0
     # Stragglers are gathered on lanes: instances running only stragglers, in small batches.
-    lanes: bool = True
+    # Off by default: in the simulator the lanes' lost throughput cost more than their fast
+    # steps saved (synthetic step at 64/512/4096 GPUs, three seeds; never better, equal on traces).
+    lanes: bool = False
     lane_batch: int = 8
     lane_fraction: float = 0.1
     # Once the queue is empty, stragglers migrate to instances that ran dry (re-prefilled).

@@ -130,9 +130,15 @@ def simulate(cost: DecodeCostModel, num_instances: int, lengths: Sequence[int], 
         Kr[i] += tps[r]
         left_steps = max(1, math.ceil((Ls[r] - g0[r]) / tps[r]))
         heapq.heappush(run[i], (S[i] + left_steps, r))
+        watch_at(i, r)
+
+    def watch_at(i: int, r: int) -> None:
+        """Queue the progress report the policy asks for (a token count) as an instance step."""
         w = sched.watch_tokens(r)
-        if w is not None and g0[r] < w < Ls[r]:
-            heapq.heappush(watch[i], (S[i] + max(1, math.ceil((w - g0[r]) / tps[r])), r))
+        if w is not None and w < Ls[r]:
+            gen = gen_of(r, i)
+            if w > gen:
+                heapq.heappush(watch[i], (S[i] + max(1, math.ceil((w - gen) / tps[r])), r))
 
     def fits(i: int, r: int) -> bool:
         return B[i] == 0 or Kc[i] + Kr[i] * S[i] + Ps[r] + g0[r] <= cap
@@ -223,9 +229,11 @@ def simulate(cost: DecodeCostModel, num_instances: int, lengths: Sequence[int], 
         T[i] = t
         S[i] = F
         w = watch[i]
+        rearm = []
         while w and w[0][0] <= F:
             _, r = heapq.heappop(w)
             sched.progress(r, gen_of(r, i))
+            rearm.append(r)
         h = run[i]
         while h and h[0][0] == F:
             _, r = heapq.heappop(h)
@@ -236,6 +244,9 @@ def simulate(cost: DecodeCostModel, num_instances: int, lengths: Sequence[int], 
             finish[r] = t
             placed[r] = i
             sched.finished(r, Ls[r])
+        for r in rearm:
+            if math.isnan(finish[r]):  # still running here: the policy may want a later report
+                watch_at(i, r)
         if B[i] == 0:
             Kc[i], Kr[i], X[i] = 0.0, 0.0, 0.0  # no float drift across batches
         fill(i)

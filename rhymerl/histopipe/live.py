@@ -69,6 +69,8 @@ class LiveOutcome:
 PLANNER_KEYS = ("num_groups", "split_groups", "tier2")
 SCHEDULER_KEYS = ("probe", "straggler_z", "lanes", "lane_batch", "lane_fraction", "migrate", "live_policy",
                   "compare_baselines", "slice_s", "calibration")
+# Read only with histopipe.lanes on.
+LANE_KEYS = ("lane_batch", "lane_fraction")
 
 
 def unused_keys(cfg: Any, live: Optional[bool] = None) -> list[str]:
@@ -80,6 +82,8 @@ def unused_keys(cfg: Any, live: Optional[bool] = None) -> list[str]:
     if not cfg.enabled:
         return [f"histopipe.{f.name}" for f in fields(cfg) if f.name != "enabled" and getattr(cfg, f.name) != f.default]
     idle = PLANNER_KEYS if (cfg.live if live is None else live) else SCHEDULER_KEYS
+    if not cfg.lanes:
+        idle = tuple(dict.fromkeys(idle + LANE_KEYS))
     defaults = {f.name: f.default for f in fields(cfg)}
     return [f"histopipe.{k}" for k in idle if getattr(cfg, k) != defaults[k]]
 

@@ -15,13 +15,13 @@ another). The decisions come from a policy object:
   online length estimates;
 - ``HistoPipePolicy``: tier 1 = which instance (central queue: an instance that frees a slot
   takes the next request, so no instance idles while work is queued), tier 2 = order
-  (longest-estimated first; one probe sample per group runs first, Seer-style, and its
-  length and its siblings' finished lengths update the group's estimate, weighted against
-  history by how well history has predicted so far), and tail control: a running request
-  past its group's straggler quantile marks its instance, which then admits no new work
-  while the queue can be served elsewhere (its batch shrinks, so its steps and the
-  straggler speed up), and once the queue is empty stragglers migrate to instances that
-  ran dry when the cost model says the re-prefill pays.
+  (longest-estimated first; one probe sample per group runs first, Seer-style: while it
+  runs, that it has not finished yet, and once it finishes, its length, update the group's
+  estimate, weighted against history by how well history has predicted so far), and tail
+  control: once the queue is empty, a request running past its group's straggler quantile
+  migrates to an instance that ran dry when the cost model says the re-prefill pays
+  (optionally, stragglers are gathered earlier on lanes: instances that run only stragglers,
+  in small batches).
 """
 
 from __future__ import annotations
@@ -35,6 +35,23 @@ from typing import Optional, Sequence
 from rhymerl.histopipe.cost import DecodeCostModel
 
 QUEUED, RUNNING, DONE = 0, 1, 2
+# A running probe reports its progress each time it has generated this factor more tokens.
+PROBE_RUNG = 1.25
+
+
+def censored_shift(mean: float, var: float, within_var: float, log_x: float) -> float:
+    """How far the posterior mean of a group's log-mean length moves, from ``mean`` (prior
+    variance ``var``), on learning that one sample (log length = log-mean + N(0,
+    ``within_var``)) is longer than exp(``log_x``): E[mu | y > log_x] - mean =
+    var / s * lambda((log_x - mean) / s), s^2 = var + within_var, with lambda the inverse
+    Mills ratio of the standard normal."""
+    sd = math.sqrt(var + within_var)
+    a = (log_x - mean) / sd
+    if a > 30.0:
+        lam = a + 1.0 / a  # the ratio's asymptote; erfc underflows out here
+    else:
+        lam = math.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi) / (0.5 * math.erfc(a / math.sqrt(2.0)))
+    return var / sd * lam
 
 
 @dataclass(frozen=True)
@@ -308,6 +325,8 @@ class HistoPipePolicy(Policy):
         self.obs_n = [0] * ng
         self.obs_sum = [0.0] * ng
         self.est_log = list(self.prior_log[:ng])
+        self.base_log = list(self.est_log)  # without the running probe's censored evidence
+        self.probe_gen = [0] * ng  # tokens the group's running probe has generated
         self.probe_of = [m[0] if (self.probe and len(m) > 1) else -1 for m in sched.members]
         self.straggling: set[int] = set()  # running requests past their straggler quantile
         self.on_inst = [0] * sched.N  # stragglers per instance
@@ -321,10 +340,17 @@ class HistoPipePolicy(Policy):
 
     # -- estimates ----------------------------------------------------------------------
     def _update(self, g: int) -> None:
-        """Posterior log-mean of group g: history prior and observed log lengths, precision-weighted."""
+        """Log-mean estimate of group g: the history prior and the observed log lengths,
+        precision-weighted, and, while the group's probe runs, the evidence that the probe is
+        longer than what it has generated (a censored sample: the long groups, whose probes
+        finish last, are recognised while their siblings can still start early)."""
         prec = 1.0 / self.hist_var + self.obs_n[g] / self.within_var
         mean = (self.prior_log[g] / self.hist_var + self.obs_sum[g] / self.within_var) / prec
-        if abs(mean - self.est_log[g]) > 1e-9:
+        self.base_log[g] = mean
+        x = self.probe_gen[g]
+        if x > 0:
+            mean += censored_shift(mean, 1.0 / prec, self.within_var, math.log(x))
+        if abs(mean - self.est_log[g]) > 1e-3:
             self.est_log[g] = mean
             self.s.requeue_keys(self.s.members[g])
 
@@ -344,6 +370,7 @@ class HistoPipePolicy(Policy):
         # Only the probe's length is an unbiased sample: the siblings that finish first are
         # the short ones, and learning from them would push the group's long tail back.
         if rid == self.probe_of[g]:
+            self.probe_gen[g] = 0
             self.obs_n[g] += 1
             self.obs_sum[g] += math.log(max(1, length))
             self._update(g)
@@ -354,18 +381,33 @@ class HistoPipePolicy(Policy):
     # -- stragglers ---------------------------------------------------------------------
     def _threshold(self, rid: int) -> int:
         g = self.s.group_of[rid]
-        t = math.exp(self.est_log[g] + self.z * math.sqrt(self.within_var))
+        # A running probe's own length is not evidence that it is long for its group.
+        est = self.base_log[g] if rid == self.probe_of[g] else self.est_log[g]
+        t = math.exp(est + self.z * math.sqrt(self.within_var))
         if self.max_tokens:
             t = min(t, 0.9 * self.max_tokens)
         return max(1, int(t))
 
     def watch_tokens(self, rid: int) -> Optional[int]:
-        if not (self.lanes or self.migrate) or rid in self.straggling:
-            return None
-        t = self._threshold(rid)
-        return t if t > self.s.generated[rid] else None
+        g = self.s.group_of[rid]
+        gen = self.s.generated[rid]
+        out = None
+        if rid == self.probe_of[g]:
+            # A running probe reports at geometric rungs from one spread below its group's
+            # estimate: below that, having run so far says little.
+            lo = math.exp(self.base_log[g] - math.sqrt(self.hist_var + self.within_var))
+            out = max(int(lo), int(PROBE_RUNG * gen) + 1)
+        if (self.lanes or self.migrate) and rid not in self.straggling:
+            t = self._threshold(rid)
+            if t > gen:
+                out = t if out is None else min(out, t)
+        return out if out is not None and out > gen else None
 
     def on_progress(self, rid: int, generated: int) -> None:
+        g = self.s.group_of[rid]
+        if rid == self.probe_of[g] and generated > self.probe_gen[g]:
+            self.probe_gen[g] = generated
+            self._update(g)
         if rid in self.straggling or generated < self._threshold(rid):
             return
         s = self.s
@@ -375,8 +417,7 @@ class HistoPipePolicy(Policy):
         s.counters.stragglers += 1
         # A request running past the quantile is evidence of a longer group: siblings
         # still queued move up (Seer: a group's estimate is at least what it has shown).
-        g = s.group_of[rid]
-        if generated > math.exp(self.est_log[g]):
+        if rid != self.probe_of[g] and generated > math.exp(self.est_log[g]):
             self.obs_n[g] += 1
             self.obs_sum[g] += math.log(generated)
             self._update(g)

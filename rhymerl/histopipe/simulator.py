@@ -10,7 +10,7 @@ Schedulers, all on the same workload and cost model:
   slot frees (least-loaded by count, dynamic);
 - histopipe: ``scheduler.HistoPipePolicy`` (the policy the trainer runs) primed with the
   ``LengthPredictor``'s estimates (trained online on the earlier epochs): probes, online
-  group estimates, straggler lanes and migration;
+  group estimates (a running probe counts as it runs), straggler migration;
 - oracle: knows every response's true length: one central longest-work-first queue; the
   practical limit.
 

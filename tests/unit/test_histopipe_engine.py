@@ -9,7 +9,8 @@ import pytest
 from rhymerl.config import HistoPipeConfig
 from rhymerl.histopipe import DecodeCostModel
 from rhymerl.histopipe.engine import simulate
-from rhymerl.histopipe.scheduler import HistoPipePolicy, Move, Policy, PriorityPolicy, Scheduler, StaticPolicy
+from rhymerl.histopipe.scheduler import (HistoPipePolicy, Move, Policy, PriorityPolicy, Scheduler, StaticPolicy,
+                                         censored_shift)
 from rhymerl.histopipe.simulator import run_scheduler, trained_predictor
 from rhymerl.histopipe.workload import reorder, synthetic
 
@@ -103,6 +104,57 @@ def test_probe_runs_first_and_siblings_inherit_its_length():
     assert s.next_for(0) in (4, 5)  # group 1 proved longer: its siblings go first
 
 
+def test_censored_shift_is_the_truncated_posterior_mean():
+    # Monte Carlo of mu ~ N(m, var), y = mu + N(0, w), kept where y > x.
+    rng = np.random.default_rng(0)
+    m, var, w = 3.0, 0.4, 0.2
+    mu = m + math.sqrt(var) * rng.standard_normal(2_000_000)
+    y = mu + math.sqrt(w) * rng.standard_normal(mu.size)
+    for x in (2.0, 3.0, 4.0, 5.0):
+        want = mu[y > x].mean() - m
+        assert censored_shift(m, var, w, x) == pytest.approx(want, abs=0.01)
+    shifts = [censored_shift(m, var, w, x) for x in np.linspace(-5, 60, 200)]
+    assert all(b > a for a, b in zip(shifts, shifts[1:]))  # longer runs, longer groups
+    assert shifts[0] < 1e-6 and all(math.isfinite(v) for v in shifts)  # far below: no evidence
+
+
+def test_running_probe_promotes_its_group_before_it_finishes():
+    # History: group 0 ~1000 tokens, group 1 ~800 (and history is often wrong). Group 0's probe
+    # comes back at 1000; group 1's is still running at 1200 tokens, short of its straggler
+    # threshold (~1250): that it has run so long already puts its siblings first.
+    def run(report: bool) -> int:
+        pol = HistoPipePolicy([math.log(1000), math.log(800)], hist_var=1.0, within_var=0.05, cost=COST, lanes=False,
+                              migrate=False)
+        s = Scheduler(1, 2, [0, 0, 0, 1, 1, 1], [5] * 6, pol)
+        for _ in range(2):
+            s.started(s.next_for(0), 0)
+        assert sorted(s.running[0]) == [0, 3]  # the probes
+        if report:
+            s.progress(3, 1200)
+        s.finished(0, 1000)
+        return s.next_for(0)
+
+    assert run(report=False) in (1, 2)
+    assert run(report=True) in (4, 5)
+
+
+def test_simulator_reports_progress_at_every_token_count_the_policy_asks_for():
+    class Every10(Policy):
+        def bind(self, sched):
+            super().bind(sched)
+            self.seen = []
+
+        def watch_tokens(self, rid):
+            return self.s.generated[rid] + 10
+
+        def on_progress(self, rid, generated):
+            self.seen.append((rid, generated))
+
+    pol = Every10()
+    simulate(COST, 1, [35, 12], [5, 5], [0, 1], pol)
+    assert sorted(pol.seen) == [(0, 10), (0, 20), (0, 30), (1, 10)]
+
+
 def test_perfect_group_knowledge_beats_least_loaded():
     w = synthetic(16 * 16, n=16, sigma_sample=0.0, seed=0)
     cfg = HistoPipeConfig()
@@ -144,5 +196,8 @@ def test_keys_the_dispatch_mode_does_not_read_are_reported():
 
     assert unused_keys(HistoPipeConfig()) == []
     assert unused_keys(HistoPipeConfig(num_groups=8)) == ["histopipe.num_groups"]  # live: the planner is unused
-    assert unused_keys(HistoPipeConfig(live=False, num_groups=8, lanes=False)) == ["histopipe.lanes"]
+    assert unused_keys(HistoPipeConfig(live=False, num_groups=8, lanes=True)) == ["histopipe.lanes"]
+    assert unused_keys(HistoPipeConfig(lane_batch=4)) == ["histopipe.lane_batch"]  # lanes are off
+    assert unused_keys(HistoPipeConfig(lanes=True, lane_batch=4)) == []
+    assert unused_keys(HistoPipeConfig(live=False, lane_batch=4)) == ["histopipe.lane_batch"]
     assert unused_keys(HistoPipeConfig(enabled=False, probe=False)) == ["histopipe.probe"]
