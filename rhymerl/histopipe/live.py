@@ -322,9 +322,12 @@ def trainer_rollout(tr: Any, batch_indices: list[int], epoch: int, round_: int =
         metrics[f"histopipe/bubble_{name}"] = res.bubble_fraction
         metrics[f"histopipe/makespan_{name}_s"] = res.makespan_s
         if tr.comm.rank == 0:
+            # The responses differ between policies (drafts and batches change what sampling
+            # draws), so the makespan is read beside the longest response each policy drew.
             log.info("histopipe live step %d policy %s: makespan %.3f s, bubble %.3f, moves %d, preempted %d, "
-                     "stragglers %d, probes %d, rounds %d", tr.step, name, res.makespan_s, res.bubble_fraction,
-                     res.moves, res.preempted, res.stragglers, res.probes, res.rounds)
+                     "stragglers %d, probes %d, rounds %d, longest response %d tokens of %d", tr.step, name,
+                     res.makespan_s, res.bubble_fraction, res.moves, res.preempted, res.stragglers, res.probes,
+                     res.rounds, max((len(t) for t in res.token_ids), default=0), sum(len(t) for t in res.token_ids))
     out = kept
     cost = live.cost
     gen = sum(len(t) for t in out.token_ids)

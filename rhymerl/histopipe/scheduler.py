@@ -469,13 +469,14 @@ class HistoPipePolicy(Policy):
         idle = [i for i in range(s.N) if not s.running[i]]
         if not idle:
             return out
+        leaving = [0] * s.N  # moved off each instance by this call (the driver has not yet)
         for r in sorted(self.straggling, key=lambda r: -len(s.running[s.where[r]])):
             if not idle:
                 break
             src = s.where[r]
-            B = len(s.running[src])
-            if B <= 2:
-                break
+            B = len(s.running[src]) - leaving[src]
+            if B <= 1:
+                continue  # alone already: nothing to gain
             ctx = s.prompt_lens[r] + s.generated[r]
             others = sum(s.prompt_lens[x] + s.generated[x] for x in s.running[src]) - ctx
             # Remaining tokens of a straggler: about what it has generated (long tails); half is conservative.
@@ -483,6 +484,7 @@ class HistoPipePolicy(Policy):
             if gain <= c.prefill_time(ctx):
                 continue
             dst = idle.pop()
+            leaving[src] += 1
             out.append(Move(r, src, dst))
             self.on_inst[dst] += 1
             self._leave(r, src)

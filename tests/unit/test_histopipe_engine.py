@@ -155,6 +155,22 @@ def test_simulator_reports_progress_at_every_token_count_the_policy_asks_for():
     assert sorted(pol.seen) == [(0, 10), (0, 20), (0, 30), (1, 10)]
 
 
+def test_queue_empty_a_pair_of_stragglers_splits_onto_the_idle_instance():
+    # Two long runners share instance 0 while instances 1 and 2 have run dry: one of them
+    # moves (two batches of one), not both (that would leave instance 0 idle for nothing).
+    pol = HistoPipePolicy([math.log(10), math.log(10)], hist_var=0.01, within_var=0.01, cost=COST, lanes=False)
+    s = Scheduler(3, 4, [0, 1], [5, 5], pol)
+    for r in (0, 1):
+        s.started(r, 0)
+    assert s.queue_empty() and not s.running[1] and not s.running[2]
+    for r in (0, 1):
+        s.progress(r, 5000)
+    moves = s.moves()
+    assert len(moves) == 1 and moves[0].src == 0 and moves[0].dst in (1, 2)
+    s.migrated(moves[0], 5000)
+    assert s.moves() == []  # each runs alone now
+
+
 def test_perfect_group_knowledge_beats_least_loaded():
     w = synthetic(16 * 16, n=16, sigma_sample=0.0, seed=0)
     cfg = HistoPipeConfig()
