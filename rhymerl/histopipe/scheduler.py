@@ -388,15 +388,21 @@ class HistoPipePolicy(Policy):
             t = min(t, 0.9 * self.max_tokens)
         return max(1, int(t))
 
+    def _probe_rung(self, g: int) -> int:
+        """Tokens at which group g's running probe next counts as evidence: geometric rungs
+        from one spread below the group's estimate (below that, having run so far says
+        little). Rungs, not every report, so the live driver (which reports every round)
+        and the simulator (which reports when asked) run the same policy, and a long probe
+        re-sorts its siblings a few dozen times, not once per engine step."""
+        lo = math.exp(self.base_log[g] - math.sqrt(self.hist_var + self.within_var))
+        return max(int(lo), int(PROBE_RUNG * self.probe_gen[g]) + 1)
+
     def watch_tokens(self, rid: int) -> Optional[int]:
         g = self.s.group_of[rid]
         gen = self.s.generated[rid]
         out = None
         if rid == self.probe_of[g]:
-            # A running probe reports at geometric rungs from one spread below its group's
-            # estimate: below that, having run so far says little.
-            lo = math.exp(self.base_log[g] - math.sqrt(self.hist_var + self.within_var))
-            out = max(int(lo), int(PROBE_RUNG * gen) + 1)
+            out = self._probe_rung(g)
         if (self.lanes or self.migrate) and rid not in self.straggling:
             t = self._threshold(rid)
             if t > gen:
@@ -405,7 +411,7 @@ class HistoPipePolicy(Policy):
 
     def on_progress(self, rid: int, generated: int) -> None:
         g = self.s.group_of[rid]
-        if rid == self.probe_of[g] and generated > self.probe_gen[g]:
+        if rid == self.probe_of[g] and generated >= self._probe_rung(g):
             self.probe_gen[g] = generated
             self._update(g)
         if rid in self.straggling or generated < self._threshold(rid):

@@ -138,6 +138,31 @@ def test_running_probe_promotes_its_group_before_it_finishes():
     assert run(report=True) in (4, 5)
 
 
+def test_a_probe_reported_every_token_counts_as_one_reported_at_its_rungs():
+    # The live driver reports every round, the simulator when the policy asks: same policy.
+    def run(every_token: bool):
+        pol = HistoPipePolicy([math.log(300), math.log(200)], hist_var=0.5, within_var=0.2, cost=COST, lanes=False,
+                              migrate=False)
+        s = Scheduler(1, 2, [0, 0, 0, 1, 1, 1], [5] * 6, pol)
+        for _ in range(2):
+            s.started(s.next_for(0), 0)
+        rungs = []
+        if every_token:
+            for n in range(1, 5001):
+                s.progress(3, n)
+        else:
+            while (w := s.watch_tokens(3)) is not None and w <= 5000:
+                rungs.append(w)
+                s.progress(3, w)
+        return pol.est_log, len(s._heap), rungs
+
+    est_a, heap_a, _ = run(True)
+    est_b, heap_b, rungs = run(False)
+    assert est_a == est_b and heap_a == heap_b
+    assert 5 <= len(rungs) <= 40 and heap_a <= 6 + 3 * len(rungs)  # re-sorts per rung, not per token
+    assert est_a[1] > math.log(2000)  # a probe still running at 5000 tokens: a long group
+
+
 def test_simulator_reports_progress_at_every_token_count_the_policy_asks_for():
     class Every10(Policy):
         def bind(self, sched):
