@@ -183,6 +183,14 @@ class HistoSpecConfig:
     step_cost_per_request_ms: float = 4.6
     step_cost_per_token_ms: float = 1.6
     step_cost_per_drafting_request_ms: float = 0.0
+    # goodput rule: scored tokens per step whose drafts cost nothing extra (the forward is
+    # bound by reading the weights up to there); the per-token cost applies beyond them.
+    # On a 2-core CPU (SmolLM2-135M, bench rollout --sweep): a draft token costs 0.6 ms at 1
+    # request, 1.3 ms at 2, 3.7-4.4 ms from 4 requests on. 0 = every draft token is charged:
+    # with 7 free tokens and 4.0 ms per token the quick sweep's worst cell rose from 0.79x to
+    # 0.87x of none, but inside the RL loop (bench e2e) that run gave 1.38x rollout time per
+    # token against the defaults' 1.62x, so the defaults stay until the loop shows a gain.
+    step_cost_free_tokens: int = 0
     step_cost_prior_steps: float = 1.0
     # goodput rule: CPU time the proposer spends searching one request's chain, in
     # microseconds (9-12 on a 2-core CPU host with the compiled indexes, 18-29 with the
@@ -744,6 +752,7 @@ def check_static(cfg: RunConfig) -> None:
         _require(getattr(h, name) >= 0, f"histospec.{name}", "must be >= 0")
     _require(h.step_cost_per_token_ms > 0, "histospec.step_cost_per_token_ms", "must be > 0")
     _require(h.step_cost_prior_steps > 0, "histospec.step_cost_prior_steps", "must be > 0")
+    _require(h.step_cost_free_tokens >= 0, "histospec.step_cost_free_tokens", "must be >= 0")
     _require(h.min_goodput_gain >= 0, "histospec.min_goodput_gain", "must be >= 0")
     _require(h.draft_search_us >= 0, "histospec.draft_search_us", "must be >= 0")
     _require(0 < h.acceptance_prior <= 1, "histospec.acceptance_prior", "must be in (0, 1]")

@@ -293,7 +293,7 @@ class DraftProposer:
         self._reward = cfg.branch == "reward"
         self.cost = StepCostModel(cfg.step_cost_fixed_ms * 1e-3, cfg.step_cost_per_request_ms * 1e-3,
                                   cfg.step_cost_per_token_ms * 1e-3, cfg.step_cost_per_drafting_request_ms * 1e-3,
-                                  prior_steps=cfg.step_cost_prior_steps)
+                                  prior_steps=cfg.step_cost_prior_steps, free_tokens=cfg.step_cost_free_tokens)
         self.acceptance = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight)
         self._stats = {"calls": 0, "drafts": 0, "proposed": 0, "accepted": 0, "feedbacks": 0, "draft_time_s": 0.0,
                        "steps": 0, "steps_without_drafts": 0, "requests_with_history": 0, "requests": 0,
@@ -416,6 +416,7 @@ class DraftProposer:
             # not pay the verification, and their search is the proposer's whole cost there.
             fixed, per_req, per_tok, per_drow = self.cost.planning_coef
             lam0 = len(items) / (fixed + (per_req + per_tok) * len(items)) if items else 0.0
+            free = self.cost.free_drafts(len(items))
             acc = self.acceptance
         searched, skipped, search_s = 0, 0, 0.0
         clock = time.perf_counter
@@ -444,7 +445,8 @@ class DraftProposer:
                 conf_limit = cap if rule == "adaptive" else limit
             if cap > 0 and goodput and lam0 > 0.0:
                 f = acc.request_factor(req_id)
-                if not any(draft_can_pay(f, acc.source_rates(src, cap), cap, lam0, per_tok, per_drow, self._search_s)
+                if not any(draft_can_pay(f, acc.source_rates(src, cap), cap, lam0, per_tok, per_drow, self._search_s,
+                                         free)
                            for src, m in (("history", r.hist), ("group", r.sib), ("global", r.glob))
                            if m is not None and m.sam.num_tokens):
                     skipped += 1

@@ -365,12 +365,60 @@ def test_a_busy_host_does_not_lock_measured_costs_out_of_drafting():
     assert locked > 0  # the lock-out this guards against happens on such a host
 
 
+def test_free_tokens_are_not_charged_and_the_fit_recovers_the_charged_cost():
+    m = StepCostModel(0.05, 0.005, 0.004, free_tokens=7)
+    assert [m.charged(1, d) for d in (0, 3, 6, 7, 10)] == [0, 0, 0, 1, 4]
+    assert m.charged(8, 5) == 5 and m.free_drafts(3) == 4 and m.free_drafts(9) == 0
+    assert m.predict(1, 7) == pytest.approx(0.05 + 0.009)  # six free drafts
+    assert m.predict(10, 15) == pytest.approx(0.05 + 0.009 * 10 + 0.004 * 5)
+    # Steps timed by a forward that is flat up to 7 scored tokens: the fit with the same
+    # knee finds the per-token cost, while a fit without it would average it away.
+    rng = random.Random(1)
+    fit = StepCostModel(0.05, 0.005, 0.0016, free_tokens=7)
+    for _ in range(3000):
+        r = rng.randint(1, 12)
+        d = rng.randint(0, 3 * r)
+        fit.observe_step(r, r + d, 0.05 + 0.009 * r + 0.004 * fit.charged(r, d), min(r, d))
+    assert fit.coef[2] == pytest.approx(0.004, rel=0.05)
+    with pytest.raises(ValueError):
+        StepCostModel(0.05, 0.005, 0.004, free_tokens=-1)
+
+
+def test_plan_with_free_tokens_is_the_best_plan():
+    # Brute force over every combination of draft lengths (no drafting-row cost).
+    import itertools
+    rng = random.Random(5)
+    for _ in range(300):
+        cost = StepCostModel(rng.uniform(0.01, 0.06), rng.uniform(0, 0.006), rng.uniform(5e-4, 0.006),
+                             free_tokens=rng.randint(0, 8))
+        f, pr, pt, _ = cost.planning_coef
+        n = rng.randint(1, 3)
+        surv = [[rng.uniform(0.0, 1.0) for _ in range(rng.randint(0, 4))] for _ in range(n)]
+
+        def goodput(ks):
+            e = sum(expected_tokens(sv, k) for sv, k in zip(surv, ks))
+            return e / (f + (pr + pt) * n + pt * cost.charged(n, sum(ks)))
+
+        best = max(goodput(ks) for ks in itertools.product(*[range(len(sv) + 1) for sv in surv]))
+        plan = plan_step(surv, cost)
+        assert goodput(plan.lengths) == pytest.approx(best, rel=1e-9)
+
+
+def test_one_request_drafts_its_free_tokens_even_where_a_charged_token_would_not_pay():
+    surv = [[0.04] * 6]
+    charged = plan_step(surv, StepCostModel(0.05, 0.005, 0.004))
+    free = plan_step(surv, StepCostModel(0.05, 0.005, 0.004, free_tokens=4))
+    assert charged.lengths == [0] and free.lengths == [3]  # 3 free drafts beside the row's token
+    busy = [[0.04] * 6 for _ in range(8)]  # 8 rows: past the knee, every draft is charged
+    assert plan_step(busy, StepCostModel(0.05, 0.005, 0.004, free_tokens=4)).lengths == [0] * 8
+
+
 def test_draft_can_pay_is_an_upper_bound_on_the_plan():
     from rhymerl.histospec.goodput import draft_can_pay
     rng = random.Random(3)
     for _ in range(400):
         cost = StepCostModel(rng.uniform(0, 0.05), rng.uniform(0, 0.01), rng.uniform(1e-4, 0.01),
-                             rng.choice([0.0, rng.uniform(0, 0.005)]))
+                             rng.choice([0.0, rng.uniform(0, 0.005)]), free_tokens=rng.choice([0, rng.randint(1, 12)]))
         fixed, per_req, per_tok, per_drow = cost.planning_coef
         n = rng.randint(1, 40)
         lam0 = n / (fixed + (per_req + per_tok) * n)
@@ -379,7 +427,7 @@ def test_draft_can_pay_is_an_upper_bound_on_the_plan():
         qs = [[rng.uniform(0.1, 1.0) for _ in range(8)] for _ in range(n)]
         surv = [[min(1.0, f * a * q) for a, q in zip(rates, qq)] for qq in qs]
         plan = plan_step(surv, cost, hurdle=rng.choice([0.0, 0.1]))
-        if not draft_can_pay(f, rates, 8, lam0, per_tok, per_drow):
+        if not draft_can_pay(f, rates, 8, lam0, per_tok, per_drow, free=cost.free_drafts(n)):
             assert plan.lengths == [0] * n  # no chain of these rates can enter any plan
     # A search cost raises the bar; a sure draft at a cheap token still pays.
     assert draft_can_pay(1.0, [1.0] * 4, 4, 10.0, 0.001, 0.0)
