@@ -230,7 +230,8 @@ class HistoPipeConfig:
     straggler_z: float = 2.0
     # Stragglers are gathered on lanes: instances running only stragglers, in small batches.
     # Off by default: in the simulator the lanes' lost throughput cost more than their fast
-    # steps saved (synthetic step at 64/512/4096 GPUs, three seeds; never better, equal on traces).
+    # steps saved (synthetic step at 64/512/4096 GPUs, two more seeds at 512; never better,
+    # equal on the shipped traces).
     lanes: bool = False
     lane_batch: int = 8
     lane_fraction: float = 0.1
