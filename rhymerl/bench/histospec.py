@@ -39,6 +39,7 @@ from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
 from rhymerl.histospec.acceptance import accepted_prefix, accepted_tree_path
 from rhymerl.histospec.baselines import NgramDrafter, SuffixDecodingDrafter
+from rhymerl.histospec.goodput import charged_drafts
 from rhymerl.histospec.proposer import SOURCES
 from rhymerl.histospec.synthetic import synthetic_trace
 from rhymerl.traces import TraceRecord, by_epoch, read_trace
@@ -250,13 +251,16 @@ class HistoSpecMethod(Method):
 
 @dataclasses.dataclass
 class StepTime:
-    """Modelled engine step time (seconds) = fixed + per_request * R + per_token * scored tokens."""
+    """Modelled engine step time (seconds) = fixed + (per_request + per_token) * R + per_token *
+    the draft tokens charged (those beyond ``free_tokens`` scored tokens; ``goodput.charged_drafts``)."""
     fixed: float = 0.055
     per_request: float = 0.0046
     per_token: float = 0.0016
+    free_tokens: int = 0
 
     def __call__(self, num_requests: int, num_scored_tokens: int) -> float:
-        return self.fixed + self.per_request * num_requests + self.per_token * num_scored_tokens
+        drafts = charged_drafts(num_requests, num_scored_tokens - num_requests, self.free_tokens)
+        return self.fixed + (self.per_request + self.per_token) * num_requests + self.per_token * drafts
 
 
 def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], max_len: int,
@@ -451,11 +455,16 @@ def main(argv: list[str]) -> int:
                     "CPU engine's measured costs (a GPU config's come from python -m rhymerl.histospec.roofline)")
     ap.add_argument("--step-per-request-ms", type=float, default=4.6, help="modelled engine step: cost per request (ms)")
     ap.add_argument("--step-per-token-ms", type=float, default=1.6, help="modelled engine step: cost per scored token (ms)")
+    ap.add_argument("--step-free-tokens", type=int, default=0,
+                    help="modelled engine step: scored tokens per step whose drafts cost nothing extra")
     ap.add_argument("--tree-nodes", type=int, default=32, help="node budget of histospec_tree")
     ap.add_argument("--ablations", choices=["none", "quick", "full"], default="quick")
     ap.add_argument("--no-forward-timing", action="store_true", help="skip timing the tiny model's forward (no torch import)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+    if args.step_free_tokens < 0:
+        print(f"rhymerl bench histospec: --step-free-tokens must be >= 0 (got {args.step_free_tokens})", file=sys.stderr)
+        return 2
 
     if args.trace:
         records = read_trace(args.trace)
@@ -473,13 +482,15 @@ def main(argv: list[str]) -> int:
     # The goodput rule plans drafts for the engine this benchmark models (its step costs).
     base = dataclasses.replace(HistoSpecConfig(), step_cost_fixed_ms=args.step_fixed_ms,
                                step_cost_per_request_ms=args.step_per_request_ms,
-                               step_cost_per_token_ms=args.step_per_token_ms)
+                               step_cost_per_token_ms=args.step_per_token_ms,
+                               step_cost_free_tokens=args.step_free_tokens)
     # The main rows use the settings this benchmark selects (see the min_match and
     # start_after ablations); the config's defaults are reported as an ablation row.
     chain_cfg = dataclasses.replace(base, max_draft=args.max_len, **RECOMMENDED)
     tree_cfg = dataclasses.replace(chain_cfg, tree=True, tree_nodes=args.tree_nodes)
 
-    step_time = StepTime(args.step_fixed_ms * 1e-3, args.step_per_request_ms * 1e-3, args.step_per_token_ms * 1e-3)
+    step_time = StepTime(args.step_fixed_ms * 1e-3, args.step_per_request_ms * 1e-3, args.step_per_token_ms * 1e-3,
+                         args.step_free_tokens)
     none_s: list[float] = []
 
     def run(method: Method, max_len: int = args.max_len) -> dict:

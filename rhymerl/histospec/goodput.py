@@ -235,8 +235,7 @@ class StepCostModel:
     def charged(self, num_requests: int, draft_tokens: int) -> int:
         """Draft tokens a step of ``num_requests`` rows pays for: those beyond ``free_tokens``
         scored tokens."""
-        k = self.free_tokens
-        return max(0, num_requests + draft_tokens - k) - max(0, num_requests - k)
+        return charged_drafts(num_requests, draft_tokens, self.free_tokens)
 
     def free_drafts(self, num_requests: int) -> int:
         """Draft tokens a step of ``num_requests`` rows scores at no charge."""
@@ -258,6 +257,12 @@ class StepCostModel:
 
 
 _K = 4  # columns of the step-cost fit: 1, R, D, N
+
+
+def charged_drafts(num_requests: int, draft_tokens: int, free_tokens: int) -> int:
+    """Draft tokens a step of ``num_requests`` rows pays for when its first ``free_tokens``
+    scored tokens cost no more than one."""
+    return max(0, num_requests + draft_tokens - free_tokens) - max(0, num_requests - free_tokens)
 
 
 def _drafting_requests(num_requests: int, drafts: int, given: Optional[int]) -> int:

@@ -102,3 +102,14 @@ def test_real_smollm2_trace_ordering():
     m = {k: v["tokens_per_forward"] for k, v in json.loads(res.stdout)["methods"].items()}
     assert m["histospec_tree"] >= m["histospec_chain"] >= m["suffix"] >= m["ngram"] >= m["none"] == 1.0, m
     assert m["histospec_chain"] > 1.5, m
+
+
+def test_modelled_step_time_charges_drafts_past_the_free_tokens(capsys):
+    linear = bench.StepTime(0.05, 0.004, 0.002)
+    knee = bench.StepTime(0.05, 0.004, 0.002, free_tokens=6)
+    assert linear(3, 3) == knee(3, 3) == pytest.approx(0.05 + 0.006 * 3)
+    assert knee(1, 6) == pytest.approx(knee(1, 1))  # five free drafts
+    assert knee(1, 8) - knee(1, 6) == pytest.approx(linear(1, 8) - linear(1, 6))
+    assert knee(8, 12) == pytest.approx(linear(8, 12))  # past the knee, every draft is charged
+    assert bench.main(["--json", "--step-free-tokens", "-1", "--no-forward-timing"]) == 2
+    assert "--step-free-tokens must be >= 0" in capsys.readouterr().err
