@@ -27,6 +27,15 @@ DEFAULT_ENTRY = ("-m", "rhymerl.launch.rank_main")
 # Below Linux's default ephemeral range (32768-60999), so an outgoing connection of
 # another process cannot hold the port we are about to listen on.
 PORT_BASE, PORT_SPAN = 15000, 17000
+# Each job probes its own block of ports (by job id): with overlapping ranges, jobs with
+# adjacent ids starting together on one node probed the same free port and both took it.
+PORT_BLOCK = 64
+
+
+def master_port_block(job_id: int) -> range:
+    """The ports a job's rendezvous probes, first free one taken."""
+    base = PORT_BASE + (job_id % (PORT_SPAN // PORT_BLOCK)) * PORT_BLOCK
+    return range(base, base + PORT_BLOCK)
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
@@ -187,16 +196,16 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
         'echo "[rhymerl-slurm] job $SLURM_JOB_ID restart $RESTART on $SLURM_JOB_NODELIST at $(date -Is)"',
         "",
         *_rendezvous_host_lines(slurm.nodes),
-        "# Port derived from the job id (stable across requeues), then probed for the first free one",
-        "# so two jobs sharing a node cannot collide. RHYMERL_MASTER_PORT overrides.",
-        f"BASE_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))",
+        "# Port block derived from the job id (stable across requeues; master_port_block), probed for",
+        "# its first free port, so jobs sharing a node do not collide. RHYMERL_MASTER_PORT overrides.",
+        f"BASE_PORT=$(( {PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN // PORT_BLOCK} * {PORT_BLOCK} ))",
         'if [[ -n "${RHYMERL_MASTER_PORT:-}" ]]; then',
         '    MASTER_PORT=$RHYMERL_MASTER_PORT',
         'else',
         '    MASTER_PORT=$("$PYTHON" - "$BASE_PORT" <<\'PY\'',
         "import socket, sys",
         "base = int(sys.argv[1])",
-        "for port in range(base, base + 64):",
+        f"for port in range(base, base + {PORT_BLOCK}):",
         "    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)",
         "    try:",
         "        s.bind((\"\", port))",
@@ -207,7 +216,7 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
         "    print(port)",
         "    break",
         "else:",
-        "    sys.exit(\"no free port in [%d, %d)\" % (base, base + 64))",
+        f"    sys.exit(\"no free port in [%d, %d)\" % (base, base + {PORT_BLOCK}))",
         "PY",
         ")",
         "fi",

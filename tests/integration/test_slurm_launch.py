@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rhymerl.launch.slurm import PORT_BASE, PORT_SPAN, render_script
+from rhymerl.launch.slurm import master_port_block, render_script
 from rhymerl.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
 from slurm_helpers import (  # noqa: F401  (slurm_cluster is a fixture)
@@ -49,7 +49,7 @@ def test_two_task_job_gets_ranks_and_rendezvous(slurm_cluster, tmp_path):
     first_host = subprocess.run(["scontrol", "show", "hostnames", job.info["NodeList"]], capture_output=True,
                                 text=True).stdout.split()[0]
     assert host == first_host
-    assert PORT_BASE + int(job.job_id) % PORT_SPAN <= int(port) < PORT_BASE + PORT_SPAN + 64
+    assert int(port) in master_port_block(int(job.job_id))
     assert "srun finished with exit code 0" in job.batch_text
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +197,22 @@ def test_submitted_script_keeps_secrets_and_saved_copy_does_not(tmp_path, monkey
     text = saved.read_text()
     assert "export WANDB_API_KEY=<redacted>" in text and "0123abcd" not in text and "9f9f9f" not in text
     assert text.replace("<redacted>", "") == submitted.replace("0123abcd", "").replace("'hf_x y'", "").replace("9f9f9f", "")
+
+
+def test_rendered_port_choice_is_the_job_ids_own_block(tmp_path):
+    # Run the script's port lines: jobs with adjacent ids (started together on one node)
+    # probe disjoint blocks, and a job's first free port lies in its own block.
+    text = _render(SlurmConfig(tasks_per_node=2, cpus_per_task=1))
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if x.startswith("BASE_PORT="))
+    end = next(i for i, x in enumerate(lines) if x.startswith("export MASTER_ADDR MASTER_PORT"))
+    script = tmp_path / "port.sh"
+    script.write_text("\n".join(["set -e", 'PYTHON="$1"', "SLURM_JOB_ID=$2", *lines[start:end], 'echo "$BASE_PORT $MASTER_PORT"']))
+    blocks = []
+    for job in (43, 44, 265 + 43, 99999):
+        out = subprocess.run(["bash", str(script), sys.executable, str(job)], capture_output=True, text=True, check=True)
+        base, port = map(int, out.stdout.split())
+        block = sl.master_port_block(job)
+        assert base == block.start and port in block and block.stop <= 32768  # below the ephemeral range
+        blocks.append(block)
+    assert not set(blocks[0]) & set(blocks[1])
