@@ -400,14 +400,13 @@ class HistoPipePolicy(Policy):
     def watch_tokens(self, rid: int) -> Optional[int]:
         g = self.s.group_of[rid]
         gen = self.s.generated[rid]
-        out = None
+        due = []
         if rid == self.probe_of[g]:
-            out = self._probe_rung(g)
-        if (self.lanes or self.migrate) and rid not in self.straggling:
-            t = self._threshold(rid)
-            if t > gen:
-                out = t if out is None else min(out, t)
-        return out if out is not None and out > gen else None
+            # A rung passed unreported (a probe re-admitted after a move) is due at once.
+            due.append(max(self._probe_rung(g), gen + 1))
+        if (self.lanes or self.migrate) and rid not in self.straggling and (t := self._threshold(rid)) > gen:
+            due.append(t)
+        return min(due) if due else None
 
     def on_progress(self, rid: int, generated: int) -> None:
         g = self.s.group_of[rid]

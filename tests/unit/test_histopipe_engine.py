@@ -163,6 +163,19 @@ def test_a_probe_reported_every_token_counts_as_one_reported_at_its_rungs():
     assert est_a[1] > math.log(2000)  # a probe still running at 5000 tokens: a long group
 
 
+def test_a_probe_moved_past_its_next_rung_reports_at_its_next_token():
+    pol = HistoPipePolicy([math.log(300), math.log(200)], hist_var=0.5, within_var=0.2, cost=COST, lanes=False,
+                          migrate=False)
+    s = Scheduler(2, 2, [0, 0, 1, 1], [5] * 4, pol)
+    s.started(0, 0)
+    rung = s.watch_tokens(0)
+    s.progress(0, rung)
+    nxt = s.watch_tokens(0)
+    assert nxt > rung
+    s.migrated(Move(0, 0, 1), nxt + 40)  # carried past its next rung, as a move reports it
+    assert s.watch_tokens(0) == nxt + 41
+
+
 def test_simulator_reports_progress_at_every_token_count_the_policy_asks_for():
     class Every10(Policy):
         def bind(self, sched):
