@@ -17,7 +17,9 @@ Two workloads:
 cell (``--sweep-temperatures`` / ``--sweep-concurrency`` pick a subset); each cell runs
 ``--repeats`` times per method, interleaved, and keeps the median (``ratio_per_token``
 divides out the lengths that sampled variants happen to write); ``--quick`` caps the
-tokens (and skips training) so a sweep runs in about ten minutes.
+tokens (and skips training) so a sweep runs in about ten minutes. ``--variants`` times
+several HistoSpec settings against the same none runs, e.g.
+``--variants histospec,histospec@histospec.step_cost=measured``.
 Ratios are against ``none`` measured in this run; ``tokens_per_forward`` (tokens emitted per
 target forward pass of a sequence) does not depend on the hardware.
 
@@ -36,7 +38,7 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 METHODS = ("none", "ngram", "suffix", "histospec")
 SWEEP_TEMPERATURES = (0.0, 0.7, 1.0)
@@ -104,19 +106,34 @@ class Workload:
         self.trainer = trainer
         self.dtype = dtype
 
-    def history_copy(self, vocab_size: int):
+    def history_copy(self, vocab_size: int, histospec_cfg: Any = None):
         from rhymerl.histospec import HistoryStore
 
+        h = histospec_cfg or self.histospec
         if self.history is None:
-            return HistoryStore(self.histospec, vocab_size=vocab_size)
-        return HistoryStore.from_bytes(self.history.to_bytes(), self.histospec)
+            return HistoryStore(h, vocab_size=vocab_size)
+        return HistoryStore.from_bytes(self.history.to_bytes(), h)
 
-    def engine(self, method: str, max_num_seqs: int):
+    def variant(self, overrides: list[str]) -> tuple[Any, Any]:
+        """(rollout, histospec) configs with ``rollout.*`` / ``histospec.*`` overrides applied,
+        checked as a run's config is (unknown or ill-typed keys fail with their path)."""
+        from rhymerl.config import ConfigError, RunConfig, from_dict, to_dict, with_overrides
+
+        bad = [o for o in overrides if not o.split("=", 1)[0].strip().startswith(("rollout.", "histospec."))]
+        if bad:
+            raise ConfigError(f"sweep variant overrides may set rollout.* and histospec.* keys only: {bad}")
+        d = to_dict(RunConfig())
+        d["rollout"], d["histospec"] = to_dict(self.rollout), to_dict(self.histospec)
+        cfg = from_dict(with_overrides(d, overrides))
+        return cfg.rollout, cfg.histospec
+
+    def engine(self, method: str, max_num_seqs: int, overrides: Optional[list[str]] = None):
         from rhymerl.rollout import RolloutEngine
 
-        cfg = replace(self.rollout, speculative=method, max_num_seqs=max(max_num_seqs, self.rollout.max_num_seqs))
-        eng = RolloutEngine(cfg, self.histospec, self.model_dir, seed=self.seed, dtype=self.dtype)
-        eng.set_history(self.history_copy(eng.vocab_size))
+        rollout, histospec = self.variant(overrides) if overrides else (self.rollout, self.histospec)
+        cfg = replace(rollout, speculative=method, max_num_seqs=max(max_num_seqs, rollout.max_num_seqs))
+        eng = RolloutEngine(cfg, histospec, self.model_dir, seed=self.seed, dtype=self.dtype)
+        eng.set_history(self.history_copy(eng.vocab_size, histospec))
         if self.trainer is not None:
             from rhymerl.trainer import RESHARD_BUCKET_BYTES
 
@@ -303,13 +320,44 @@ def _s_per_token(run: dict) -> float:
     return run["wall_s"] / max(1, run["generated_tokens"])
 
 
+def _variant_row(runs: dict, label: str) -> dict:
+    """One HistoSpec variant against none in one cell: medians of the interleaved repeats."""
+    r = {m: median_run(runs[m], lambda x: x["wall_s"]) for m in ("none", label)}
+    per_tok = {m: _s_per_token(median_run(runs[m], _s_per_token)) for m in ("none", label)}
+    v = r[label]
+    return {"ratio": r["none"]["wall_s"] / v["wall_s"] if v["wall_s"] > 0 else 0.0,
+            "ratio_per_token": per_tok["none"] / per_tok[label] if per_tok[label] else 0.0,
+            "ratios_each_repeat": [a["wall_s"] / b["wall_s"] for a, b in zip(runs["none"], runs[label])
+                                   if b["wall_s"] > 0],
+            "tokens_per_forward": v["tokens_per_forward"], "acceptance_rate": v["acceptance_rate"],
+            "none_wall_s": r["none"]["wall_s"], "histospec_wall_s": v["wall_s"],
+            "generated_tokens": v["generated_tokens"],
+            "none_ms_per_step": 1e3 * r["none"]["s_per_engine_step"],
+            "histospec_ms_per_step": 1e3 * v["s_per_engine_step"],
+            "draft_tokens_per_step": v.get("draft_proposed", 0) / max(1, v.get("engine_steps", 0)),
+            "draft_time_s": v.get("draft_time_s", 0.0),
+            **{k: x for k, x in v.items() if k.startswith("step_cost/")}}
+
+
+def _ratio_summary(ratios: list) -> dict:
+    return {"min_ratio": min(ratios) if ratios else None,
+            "geomean_ratio": math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None}
+
+
 def run_sweep(args) -> dict:
+    """none against each HistoSpec variant (``args.variants``: ``histospec[@key=value...]``)
+    in every cell; the cell's top-level figures are the first variant's."""
+    from rhymerl.bench.e2e import split_method
+
     w = _config_workload(args) if args.config else _model_workload(args)
     temps = args.sweep_temperatures
     concs = args.sweep_concurrency
+    labels = list(args.variants)
     if w.history is None:
         _fill_history(w)
-    engines = {m: w.engine(m, max(concs)) for m in ("none", "histospec")}
+    engines = {"none": w.engine("none", max(concs))}
+    for label in labels:
+        engines[label] = w.engine("histospec", max(concs), split_method(label)[1])
     cells = []
     try:
         for m, eng in engines.items():
@@ -318,41 +366,32 @@ def run_sweep(args) -> dict:
         for t in temps:
             for c in concs:
                 # Repetitions interleaved, the order alternating, the median kept: drift of the
-                # machine's load hits both methods alike, one slow shot decides nothing.
+                # machine's load hits every method alike, one slow shot decides nothing.
                 runs: dict = {m: [] for m in engines}
                 for rep in range(args.repeats):
                     order = list(engines) if rep % 2 == 0 else list(reversed(list(engines)))
                     for m in order:
                         runs[m].append(_cell(engines[m], w, t, c, rep))
-                r = {m: median_run(rs, lambda x: x["wall_s"]) for m, rs in runs.items()}
-                ratio = r["none"]["wall_s"] / r["histospec"]["wall_s"] if r["histospec"]["wall_s"] > 0 else 0.0
-                per_tok = {m: _s_per_token(median_run(rs, _s_per_token)) for m, rs in runs.items()}
-                cells.append({"temperature": t, "concurrency": c, "ratio": ratio,
-                              "ratio_per_token": per_tok["none"] / per_tok["histospec"] if per_tok["histospec"] else 0.0,
-                              "ratios_each_repeat": [a["wall_s"] / b["wall_s"] for a, b in zip(runs["none"], runs["histospec"])
-                                                     if b["wall_s"] > 0],
-                              "tokens_per_forward": r["histospec"]["tokens_per_forward"],
-                              "acceptance_rate": r["histospec"]["acceptance_rate"],
-                              "none_wall_s": r["none"]["wall_s"], "histospec_wall_s": r["histospec"]["wall_s"],
-                              "generated_tokens": r["histospec"]["generated_tokens"],
-                              "none_ms_per_step": 1e3 * r["none"]["s_per_engine_step"],
-                              "histospec_ms_per_step": 1e3 * r["histospec"]["s_per_engine_step"],
-                              "draft_tokens_per_step": r["histospec"].get("draft_proposed", 0)
-                              / max(1, r["histospec"].get("engine_steps", 0)),
-                              "draft_time_s": r["histospec"].get("draft_time_s", 0.0),
-                              **{k: v for k, v in r["histospec"].items() if k.startswith("step_cost/")}})
-                print(f"[sweep] T={t} c={c}: histospec/none {ratio:.3f}x tok/fwd "
-                      f"{r['histospec']['tokens_per_forward']:.2f}", file=sys.stderr)
+                rows = {label: _variant_row(runs, label) for label in labels}
+                cell = {"temperature": t, "concurrency": c, **rows[labels[0]]}
+                if len(labels) > 1:
+                    cell["variants"] = rows
+                cells.append(cell)
+                print(f"[sweep] T={t} c={c}: " + "; ".join(
+                    f"{label}/none {row['ratio']:.3f}x tok/fwd {row['tokens_per_forward']:.2f}"
+                    for label, row in rows.items()), file=sys.stderr)
     finally:
         for eng in reversed(list(engines.values())):
             eng.shutdown()
         if w.trainer is not None:
             w.trainer.close()
-    ratios = [c["ratio"] for c in cells]
-    return {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
-            "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
-            "repeats": args.repeats, "cells": cells, "min_ratio": min(ratios) if ratios else None,
-            "geomean_ratio": math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None}
+    out = {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
+           "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
+           "repeats": args.repeats, "variants": labels, "cells": cells, **_ratio_summary([c["ratio"] for c in cells])}
+    if len(labels) > 1:
+        out["variant_summary"] = {label: _ratio_summary([c["variants"][label]["ratio"] for c in cells])
+                                  for label in labels}
+    return out
 
 
 def _sweep_table(out: dict) -> str:
@@ -367,6 +406,14 @@ def _sweep_table(out: dict) -> str:
         lines.append(f"{t:<14}" + "".join(f"{by[(t, c)]['ratio']:>9.3f}x ({by[(t, c)]['tokens_per_forward']:.2f})"
                                           for c in concs))
     lines.append(f"min {out['min_ratio']:.3f}x  geomean {out['geomean_ratio']:.3f}x")
+    for label in out.get("variants", [])[1:]:
+        lines.append(f"{label}:")
+        for t in temps:
+            lines.append(f"{t:<14}" + "".join(
+                f"{by[(t, c)]['variants'][label]['ratio']:>9.3f}x ({by[(t, c)]['variants'][label]['tokens_per_forward']:.2f})"
+                for c in concs))
+        summ = out["variant_summary"][label]
+        lines.append(f"min {summ['min_ratio']:.3f}x  geomean {summ['geomean_ratio']:.3f}x")
     return "\n".join(lines)
 
 
@@ -385,6 +432,9 @@ def _table(out: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
+    from rhymerl.bench.e2e import split_method
+    from rhymerl.config import ConfigError, HistoSpecConfig, RolloutConfig
+
     p = argparse.ArgumentParser(prog="rhymerl bench rollout", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--config", default="configs/tiny-cpu.yaml",
@@ -407,6 +457,10 @@ def main(argv: list[str]) -> int:
                    help="--sweep: comma-separated temperatures")
     p.add_argument("--sweep-concurrency", default=",".join(str(c) for c in SWEEP_CONCURRENCY),
                    help="--sweep: comma-separated numbers of concurrent requests")
+    p.add_argument("--variants", default="histospec",
+                   help="--sweep: comma-separated HistoSpec variants timed against none in the same cells, "
+                        "each histospec[@key=value...] (rollout.* / histospec.* keys), e.g. "
+                        "histospec,histospec@histospec.step_cost=measured")
     p.add_argument("--repeats", type=int, default=3,
                    help="--sweep: interleaved repetitions of each cell per method (the median is kept)")
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
@@ -430,6 +484,17 @@ def main(argv: list[str]) -> int:
         p.error(f"--sweep-temperatures / --sweep-concurrency: {e}")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not args.variants or any(v.split("@")[0].strip() != "histospec" for v in args.variants):
+        p.error("--variants: one or more histospec[@key=value...] specs")
+    if len(set(args.variants)) != len(args.variants) or "none" in args.variants:
+        p.error("--variants: each variant once")
+    try:  # fail before any training or engine start-up on a bad key
+        probe = Workload(None, [], RolloutConfig(), HistoSpecConfig(), 0, 1)
+        for v in args.variants:
+            probe.variant(split_method(v)[1])
+    except ConfigError as e:
+        p.error(f"--variants: {e}")
     if not args.sweep_temperatures or not args.sweep_concurrency or min(args.sweep_concurrency) < 1:
         p.error("--sweep-temperatures and --sweep-concurrency need at least one value each (concurrency >= 1)")
     # One intra-op thread, as vLLM serves on a 2-core host: a second thread spin-waits at every

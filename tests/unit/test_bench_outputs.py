@@ -122,3 +122,30 @@ def test_e2e_rejects_a_bad_method_override_before_running(capsys):
         e2e.main(["--methods", "histospec,histospec@histospec.max_draft=x"])
     assert exc.value.code == 2
     assert "histospec.max_draft: expected an integer" in capsys.readouterr().err
+
+
+def test_sweep_variant_applies_its_overrides_and_refuses_other_sections():
+    from rhymerl.bench.rollout import Workload
+    from rhymerl.config import ConfigError, HistoSpecConfig, RolloutConfig
+
+    w = Workload(None, [[1]], RolloutConfig(n=2, max_tokens=64), HistoSpecConfig(), 0, 1)
+    rollout, h = w.variant(["histospec.step_cost_free_tokens=7", "rollout.max_tokens=32"])
+    assert (h.step_cost_free_tokens, rollout.max_tokens, rollout.n) == (7, 32, 2)
+    assert w.histospec.step_cost_free_tokens == 0  # the workload's own config is untouched
+    with pytest.raises(ConfigError, match="histospec.nope"):
+        w.variant(["histospec.nope=1"])
+    with pytest.raises(ConfigError, match="rollout.\\* and histospec.\\*"):
+        w.variant(["algo.lr=1"])
+
+
+def test_sweep_table_prints_each_variant_against_none():
+    from rhymerl.bench.rollout import _sweep_table
+
+    row = {"ratio": 0.9, "tokens_per_forward": 1.5}
+    alt = {"ratio": 1.25, "tokens_per_forward": 1.75}
+    cells = [{"temperature": 1.0, "concurrency": 8, **row, "variants": {"histospec": row, "histospec@x=1": alt}}]
+    text = _sweep_table({"workload": "cfg", "n": 4, "max_tokens": 32, "trained_epochs": 1, "cells": cells,
+                         "min_ratio": 0.9, "geomean_ratio": 0.9, "variants": ["histospec", "histospec@x=1"],
+                         "variant_summary": {"histospec": {"min_ratio": 0.9, "geomean_ratio": 0.9},
+                                             "histospec@x=1": {"min_ratio": 1.25, "geomean_ratio": 1.25}}})
+    assert "0.900x (1.50)" in text and "histospec@x=1:" in text and "1.250x (1.75)" in text
