@@ -74,6 +74,7 @@ def step_row(epoch: int, m: dict) -> dict:
             "response_len_mean": m.get("response/len_mean", 0.0),
             "tokens_per_forward": m.get("histospec/tokens_per_forward", 1.0),
             "generated_tokens": m.get("rollout/generated_tokens", 0),
+            "longest_response": m.get("response/len_max", 0),
             "phases_s": {p: m.get(f"time/{p}_s", 0.0) for p in PHASES}}
 
 
@@ -105,6 +106,32 @@ def add_ratios(v: dict, off: dict) -> None:
     rollout = off["phases"]["rollout"]
     equal = off["step_s"] - rollout + (rollout / per_tok if per_tok > 0 else 0.0)
     v["step_speedup_at_equal_work"] = off["step_s"] / equal if per_tok > 0 and equal > 0 else 0.0
+    add_equal_lengths(v, off)
+
+
+def add_equal_lengths(v: dict, off: dict) -> None:
+    """Ratios at the variant's own lengths: off's rollout time for exactly the responses the
+    variant wrote, step by step (fitted over off's steps: a rollout is a closed batch that
+    pays per step for its longest response and per token for the rest; ``fit_none_time``),
+    against the variant's rollout; its step with every other phase as the variant measured it
+    (the same responses train, score and reshard alike with or without drafts). Per-token
+    speed alone charges a variant that drew a longer tail for the tail's small batches."""
+    from rhymerl.bench.rollout import fit_none_time
+
+    runs = [{"longest_response": r.get("longest_response", 0), "generated_tokens": r.get("generated_tokens", 0),
+             "wall_s": r["phases_s"]["rollout"]} for r in off.get("per_step", [])]
+    fit = fit_none_time(runs)
+    late = [r for r in v.get("per_step", []) if r["epoch"] >= 1]
+    if fit is None or not late or any(r.get("longest_response", 0) <= 0 for r in late):
+        return
+    c0, per_step, per_token, err = fit
+    off["rollout_time_fit"] = {"c0_s": c0, "per_step_s": per_step, "per_token_s": per_token, "relative_rms_error": err}
+    off_rollout = [c0 + per_step * r["longest_response"] + per_token * r["generated_tokens"] for r in late]
+    rollout = sum(r["phases_s"]["rollout"] for r in late)
+    step = sum(r["step_s"] for r in late)
+    if rollout > 0 and step > 0:
+        v["rollout_speedup_at_equal_lengths"] = sum(off_rollout) / rollout
+        v["step_speedup_at_equal_lengths"] = (step - rollout + sum(off_rollout)) / step
 
 
 METHODS = ("ngram", "suffix", "histospec")
@@ -177,8 +204,14 @@ def _run(args, configs: dict) -> dict:
         vals = [v["step_s"] if p == "step" else v["phases"][p] for v in variants.values()]
         print(f"{p:<12}" + "".join(f"{x:>11.2f}" for x in vals), file=sys.stderr)
     for key in ("step_speedup", "rollout_speedup", "rollout_speedup_per_token", "step_speedup_at_equal_work",
+                "rollout_speedup_at_equal_lengths", "step_speedup_at_equal_lengths",
                 "rollout_share", "tokens_per_forward", "reward_mean", "response_len_mean"):
-        print(f"{key:<12}" + "".join(f"{v[key]:>11.2f}" for v in variants.values()), file=sys.stderr)
+        print(f"{key:<12}" + "".join(f"{v.get(key, float('nan')):>11.2f}" for v in variants.values()), file=sys.stderr)
+    if "rollout_time_fit" in off:
+        f = off["rollout_time_fit"]
+        print(f"(equal lengths: off's rollout = {f['c0_s']:.2f} s + {1e3 * f['per_step_s']:.1f} ms x longest response"
+              f" + {1e3 * f['per_token_s']:.2f} ms x tokens, fitted on its steps, "
+              f"{100 * f['relative_rms_error']:.0f}% rms error)", file=sys.stderr)
     print(f"(epoch >= 2 means; ratios vs off in this run; {time.time() - t0:.0f} s total)", file=sys.stderr)
     on = variants.get("histospec")
     return {"variants": variants, "off": off, "on": on, "speedup": on["step_speedup"] if on else None,

@@ -17,8 +17,11 @@ Two workloads:
 cell (``--sweep-temperatures`` / ``--sweep-concurrency`` pick a subset); each cell runs
 ``--repeats`` times per method, interleaved, and keeps the median (``ratio_per_token``
 divides out the lengths that sampled variants happen to write); ``--quick`` caps the
-tokens (and skips training) so a sweep runs in about ten minutes. ``--variants`` times
-several HistoSpec settings against the same none runs, e.g.
+tokens (and skips training) so a sweep runs in about ten minutes. Sampled runs write
+different lengths, and a closed batch pays per step for its longest response, so each cell
+also gives ``ratio_equal_lengths``: none's time for the HistoSpec run's own responses (none's
+runs of the sweep fit wall = c0 + per_step x longest + per_token x tokens) over its time.
+``--variants`` times several HistoSpec settings against the same none runs, e.g.
 ``--variants histospec,histospec@histospec.step_cost=measured``.
 Ratios are against ``none`` measured in this run; ``tokens_per_forward`` (tokens emitted per
 target forward pass of a sequence) does not depend on the hardware.
@@ -38,7 +41,7 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 METHODS = ("none", "ngram", "suffix", "histospec")
 SWEEP_TEMPERATURES = (0.0, 0.7, 1.0)
@@ -306,8 +309,40 @@ def _cell(eng, w: Workload, temperature: float, c: int, rep: int = 0) -> dict:
     reqs = _cell_requests(w, c)
     sp = SamplingSpec(temperature=temperature, top_p=w.rollout.top_p, top_k=w.rollout.top_k,
                       max_tokens=w.rollout.max_tokens, seed=w.seed + 7919 * c + 104_729 * rep)
-    eng.generate([p for _, p in reqs], 1, sp, group_ids=[f"sweep:{g}" for g, _ in reqs], epoch=1, record_history=False)
-    return _derived({k: v for k, v in eng.metrics().items() if isinstance(v, (int, float))})
+    res = eng.generate([p for _, p in reqs], 1, sp, group_ids=[f"sweep:{g}" for g, _ in reqs], epoch=1,
+                       record_history=False)
+    out = _derived({k: v for k, v in eng.metrics().items() if isinstance(v, (int, float))})
+    out["longest_response"] = max((len(t) for r in res for t in r.token_ids), default=0)
+    return out
+
+
+def fit_none_time(runs: Sequence[dict]) -> Optional[tuple[float, float, float, float]]:
+    """(c0, per_step, per_token, relative rms error) of wall = c0 + per_step * longest +
+    per_token * generated over no-speculation runs of closed batches: without speculation a
+    batch decodes one token per running request per step, so its steps number its longest
+    response and sum(step cost = fixed + per_request * running) = fixed * longest +
+    per_request * generated. Fitted in relative error (weights 1/wall^2); None with fewer
+    runs than unknowns."""
+    import numpy as np
+
+    rows = [(1.0, float(r["longest_response"]), float(r["generated_tokens"]), float(r["wall_s"]))
+            for r in runs if r.get("wall_s", 0) > 0 and r.get("longest_response", 0) > 0]
+    if len(rows) < 3:
+        return None
+    a = np.array([r[:3] for r in rows])
+    y = np.array([r[3] for r in rows])
+    coef, *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
+    rel = a @ coef / y - 1.0
+    return float(coef[0]), float(coef[1]), float(coef[2]), float(np.sqrt(np.mean(rel * rel)))
+
+
+def equal_lengths_ratio(fit: tuple, run: dict) -> float:
+    """What none would take to write exactly ``run``'s responses (``fit_none_time``) over the
+    time ``run`` took: sampled variants write different lengths, and a longer tail costs a
+    closed batch more steps whatever the drafter."""
+    c0, per_step, per_token, _ = fit
+    none_s = c0 + per_step * run["longest_response"] + per_token * run["generated_tokens"]
+    return none_s / run["wall_s"] if run["wall_s"] > 0 else 0.0
 
 
 def median_run(runs: list, key: Callable[[Any], float]) -> Any:
@@ -359,6 +394,7 @@ def run_sweep(args) -> dict:
     for label in labels:
         engines[label] = w.engine("histospec", max(concs), split_method(label)[1])
     cells = []
+    all_runs: list = []
     try:
         for m, eng in engines.items():
             for t in temps:
@@ -372,6 +408,7 @@ def run_sweep(args) -> dict:
                     order = list(engines) if rep % 2 == 0 else list(reversed(list(engines)))
                     for m in order:
                         runs[m].append(_cell(engines[m], w, t, c, rep))
+                all_runs.append((t, c, runs))
                 rows = {label: _variant_row(runs, label) for label in labels}
                 cell = {"temperature": t, "concurrency": c, **rows[labels[0]]}
                 if len(labels) > 1:
@@ -385,12 +422,29 @@ def run_sweep(args) -> dict:
             eng.shutdown()
         if w.trainer is not None:
             w.trainer.close()
+    # Equal lengths: each HistoSpec run against none writing the same responses (fitted over
+    # every none run of the sweep), the median over the repeats.
+    fit = fit_none_time([r for _, _, runs in all_runs for r in runs["none"]])
+    if fit is not None:
+        for cell, (_, _, runs) in zip(cells, all_runs):
+            for label in labels:
+                eq = sorted(equal_lengths_ratio(fit, r) for r in runs[label])
+                for target in (cell if label == labels[0] else None, cell.get("variants", {}).get(label)):
+                    if target is not None:
+                        target["ratio_equal_lengths"] = eq[len(eq) // 2]
+                        target["ratios_equal_lengths_each_repeat"] = eq
     out = {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
            "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
            "repeats": args.repeats, "variants": labels, "cells": cells, **_ratio_summary([c["ratio"] for c in cells])}
+    if fit is not None:
+        out["none_time_fit"] = dict(zip(("c0_s", "per_step_s", "per_token_s", "relative_rms_error"), fit))
+        out["equal_lengths"] = _ratio_summary([c["ratio_equal_lengths"] for c in cells])
     if len(labels) > 1:
-        out["variant_summary"] = {label: _ratio_summary([c["variants"][label]["ratio"] for c in cells])
-                                  for label in labels}
+        out["variant_summary"] = {
+            label: {**_ratio_summary([c["variants"][label]["ratio"] for c in cells]),
+                    **({"equal_lengths": _ratio_summary([c["variants"][label]["ratio_equal_lengths"] for c in cells])}
+                       if fit is not None else {})}
+            for label in labels}
     return out
 
 
@@ -398,23 +452,29 @@ def _sweep_table(out: dict) -> str:
     temps = sorted({c["temperature"] for c in out["cells"]})
     concs = sorted({c["concurrency"] for c in out["cells"]})
     by = {(c["temperature"], c["concurrency"]): c for c in out["cells"]}
+    labels = out.get("variants") or ["histospec"]
+    eq = "equal_lengths" in out
     lines = [f"rollout sweep: {out['workload']} n={out['n']} max_tokens={out['max_tokens']} "
-             f"trained epochs={out['trained_epochs']}: HistoSpec wall-time ratio to none (tokens per forward), "
-             f"median of {out.get('repeats', 1)}",
-             f"{'T / requests':<14}" + "".join(f"{c:>16}" for c in concs)]
-    for t in temps:
-        lines.append(f"{t:<14}" + "".join(f"{by[(t, c)]['ratio']:>9.3f}x ({by[(t, c)]['tokens_per_forward']:.2f})"
-                                          for c in concs))
-    lines.append(f"min {out['min_ratio']:.3f}x  geomean {out['geomean_ratio']:.3f}x")
-    for label in out.get("variants", [])[1:]:
-        lines.append(f"{label}:")
+             f"trained epochs={out['trained_epochs']}: HistoSpec wall-time ratio to none (tokens per forward)"
+             + (" [at equal lengths]" if eq else "") + f", median of {out.get('repeats', 1)}"]
+    if eq:
+        f = out["none_time_fit"]
+        lines.append(f"equal lengths: none's time for the same responses, {f['c0_s']:.3f} s + {1e3 * f['per_step_s']:.1f} ms"
+                     f" x longest + {1e3 * f['per_token_s']:.2f} ms x tokens (fitted on none's runs, "
+                     f"{100 * f['relative_rms_error']:.0f}% rms error)")
+    for k, label in enumerate(labels):
+        rows = {key: (cell if k == 0 else cell["variants"][label]) for key, cell in by.items()}
+        summ = out if k == 0 else out["variant_summary"][label]
+        lines.append(f"{label}:" if len(labels) > 1 else "")
+        lines.append(f"{'T / requests':<14}" + "".join(f"{c:>{26 if eq else 16}}" for c in concs))
         for t in temps:
             lines.append(f"{t:<14}" + "".join(
-                f"{by[(t, c)]['variants'][label]['ratio']:>9.3f}x ({by[(t, c)]['variants'][label]['tokens_per_forward']:.2f})"
-                for c in concs))
-        summ = out["variant_summary"][label]
-        lines.append(f"min {summ['min_ratio']:.3f}x  geomean {summ['geomean_ratio']:.3f}x")
-    return "\n".join(lines)
+                f"{rows[(t, c)]['ratio']:>9.3f}x ({rows[(t, c)]['tokens_per_forward']:.2f})"
+                + (f" [{rows[(t, c)]['ratio_equal_lengths']:.3f}x]" if eq else "") for c in concs))
+        lines.append(f"min {summ['min_ratio']:.3f}x  geomean {summ['geomean_ratio']:.3f}x"
+                     + (f"; at equal lengths min {summ['equal_lengths']['min_ratio']:.3f}x  geomean "
+                        f"{summ['equal_lengths']['geomean_ratio']:.3f}x" if eq else ""))
+    return "\n".join(line for line in lines if line)
 
 
 def _table(out: dict) -> str:

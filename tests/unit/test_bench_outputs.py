@@ -141,11 +141,54 @@ def test_sweep_variant_applies_its_overrides_and_refuses_other_sections():
 def test_sweep_table_prints_each_variant_against_none():
     from rhymerl.bench.rollout import _sweep_table
 
-    row = {"ratio": 0.9, "tokens_per_forward": 1.5}
-    alt = {"ratio": 1.25, "tokens_per_forward": 1.75}
+    row = {"ratio": 0.9, "tokens_per_forward": 1.5, "ratio_equal_lengths": 1.1}
+    alt = {"ratio": 1.25, "tokens_per_forward": 1.75, "ratio_equal_lengths": 1.3}
     cells = [{"temperature": 1.0, "concurrency": 8, **row, "variants": {"histospec": row, "histospec@x=1": alt}}]
+    eq = {"min_ratio": 1.1, "geomean_ratio": 1.1}
     text = _sweep_table({"workload": "cfg", "n": 4, "max_tokens": 32, "trained_epochs": 1, "cells": cells,
                          "min_ratio": 0.9, "geomean_ratio": 0.9, "variants": ["histospec", "histospec@x=1"],
-                         "variant_summary": {"histospec": {"min_ratio": 0.9, "geomean_ratio": 0.9},
-                                             "histospec@x=1": {"min_ratio": 1.25, "geomean_ratio": 1.25}}})
-    assert "0.900x (1.50)" in text and "histospec@x=1:" in text and "1.250x (1.75)" in text
+                         "none_time_fit": {"c0_s": 0.5, "per_step_s": 0.05, "per_token_s": 0.004,
+                                           "relative_rms_error": 0.08}, "equal_lengths": eq,
+                         "variant_summary": {"histospec": {"min_ratio": 0.9, "geomean_ratio": 0.9, "equal_lengths": eq},
+                                             "histospec@x=1": {"min_ratio": 1.25, "geomean_ratio": 1.25,
+                                                               "equal_lengths": {"min_ratio": 1.3, "geomean_ratio": 1.3}}}})
+    assert "0.900x (1.50) [1.100x]" in text and "histospec@x=1:" in text and "1.250x (1.75) [1.300x]" in text
+    assert "50.0 ms x longest" in text and "8% rms error" in text and "at equal lengths min 1.300x" in text
+
+
+def test_none_time_fit_recovers_step_and_token_costs_and_prices_a_variant_at_its_own_lengths():
+    from rhymerl.bench.rollout import equal_lengths_ratio, fit_none_time
+
+    def none_run(longest, tokens):
+        return {"longest_response": longest, "generated_tokens": tokens, "wall_s": 0.5 + 0.05 * longest + 0.004 * tokens}
+
+    runs = [none_run(60, 60), none_run(300, 900), none_run(512, 4000), none_run(200, 1500)]
+    c0, per_step, per_token, err = fit_none_time(runs)
+    assert (c0, per_step, per_token) == pytest.approx((0.5, 0.05, 0.004), rel=1e-6) and err < 1e-9
+    # A variant that wrote a longer tail is compared with none writing that tail: twice as
+    # fast as none would be at its lengths, whatever none's own draws were.
+    variant = {"longest_response": 512, "generated_tokens": 2000, "wall_s": (0.5 + 0.05 * 512 + 0.004 * 2000) / 2}
+    assert equal_lengths_ratio((c0, per_step, per_token, err), variant) == pytest.approx(2.0)
+    assert fit_none_time(runs[:2]) is None  # fewer runs than unknowns
+
+
+def test_e2e_equal_lengths_prices_off_at_the_variant_s_own_responses():
+    from rhymerl.bench.e2e import add_equal_lengths
+
+    def row(epoch, longest, tokens, rollout, other):
+        return {"epoch": epoch, "longest_response": longest, "generated_tokens": tokens, "step_s": rollout + other,
+                "phases_s": {"rollout": rollout}}
+
+    cost = lambda longest, tokens: 1.0 + 0.05 * longest + 0.002 * tokens  # noqa: E731
+    off = {"per_step": [row(e, lg, tk, cost(lg, tk), 8.0)
+                        for e, lg, tk in ((0, 100, 400), (0, 300, 600), (1, 200, 900), (1, 512, 1200))]}
+    # The variant drew a longer tail (its per-token speed would flatter off) and ran its
+    # rollout at half of what off would take for those responses.
+    v = {"per_step": [row(0, 50, 200, 0.5, 7.0), row(1, 400, 800, cost(400, 800) / 2, 9.0)]}
+    add_equal_lengths(v, off)
+    assert v["rollout_speedup_at_equal_lengths"] == pytest.approx(2.0)
+    assert v["step_speedup_at_equal_lengths"] == pytest.approx((9.0 + cost(400, 800)) / (9.0 + cost(400, 800) / 2))
+    assert off["rollout_time_fit"]["per_step_s"] == pytest.approx(0.05)
+    bare = {"per_step": [{"epoch": 1, "step_s": 2.0, "phases_s": {"rollout": 1.0}}]}
+    add_equal_lengths(bare, {"per_step": []})  # nothing to fit: no ratio rather than a made-up one
+    assert "rollout_speedup_at_equal_lengths" not in bare
