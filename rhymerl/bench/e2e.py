@@ -116,7 +116,7 @@ def add_equal_lengths(v: dict, off: dict) -> None:
     against the variant's rollout; its step with every other phase as the variant measured it
     (the same responses train, score and reshard alike with or without drafts). Per-token
     speed alone charges a variant that drew a longer tail for the tail's small batches."""
-    from rhymerl.bench.rollout import fit_none_time
+    from rhymerl.bench.rollout import NONE_FIT_FIELDS, fit_none_time, none_time_s
 
     runs = [{"longest_response": r.get("longest_response", 0), "generated_tokens": r.get("generated_tokens", 0),
              "wall_s": r["phases_s"]["rollout"]} for r in off.get("per_step", [])]
@@ -124,9 +124,8 @@ def add_equal_lengths(v: dict, off: dict) -> None:
     late = [r for r in v.get("per_step", []) if r["epoch"] >= 1]
     if fit is None or not late or any(r.get("longest_response", 0) <= 0 for r in late):
         return
-    c0, per_step, per_token, err = fit
-    off["rollout_time_fit"] = {"c0_s": c0, "per_step_s": per_step, "per_token_s": per_token, "relative_rms_error": err}
-    off_rollout = [c0 + per_step * r["longest_response"] + per_token * r["generated_tokens"] for r in late]
+    off["rollout_time_fit"] = dict(zip(NONE_FIT_FIELDS, fit))
+    off_rollout = [none_time_s(fit, r["longest_response"], r["generated_tokens"]) for r in late]
     rollout = sum(r["phases_s"]["rollout"] for r in late)
     step = sum(r["step_s"] for r in late)
     if rollout > 0 and step > 0:
@@ -208,10 +207,10 @@ def _run(args, configs: dict) -> dict:
                 "rollout_share", "tokens_per_forward", "reward_mean", "response_len_mean"):
         print(f"{key:<12}" + "".join(f"{v.get(key, float('nan')):>11.2f}" for v in variants.values()), file=sys.stderr)
     if "rollout_time_fit" in off:
-        f = off["rollout_time_fit"]
-        print(f"(equal lengths: off's rollout = {f['c0_s']:.2f} s + {1e3 * f['per_step_s']:.1f} ms x longest response"
-              f" + {1e3 * f['per_token_s']:.2f} ms x tokens, fitted on its steps, "
-              f"{100 * f['relative_rms_error']:.0f}% rms error)", file=sys.stderr)
+        from rhymerl.bench.rollout import describe_none_fit
+
+        print(f"(equal lengths: off's rollout = {describe_none_fit(off['rollout_time_fit'], 'its steps')})",
+              file=sys.stderr)
     print(f"(epoch >= 2 means; ratios vs off in this run; {time.time() - t0:.0f} s total)", file=sys.stderr)
     on = variants.get("histospec")
     return {"variants": variants, "off": off, "on": on, "speedup": on["step_speedup"] if on else None,

@@ -336,12 +336,26 @@ def fit_none_time(runs: Sequence[dict]) -> Optional[tuple[float, float, float, f
     return float(coef[0]), float(coef[1]), float(coef[2]), float(np.sqrt(np.mean(rel * rel)))
 
 
+NONE_FIT_FIELDS = ("c0_s", "per_step_s", "per_token_s", "relative_rms_error")
+
+
+def none_time_s(fit: tuple, longest: float, tokens: float) -> float:
+    """None's fitted time (``fit_none_time``) for a closed batch of these lengths."""
+    c0, per_step, per_token, _ = fit
+    return c0 + per_step * longest + per_token * tokens
+
+
+def describe_none_fit(fit: dict, fitted_on: str) -> str:
+    """One line for a table: the fit (``NONE_FIT_FIELDS``) and its error."""
+    return (f"{fit['c0_s']:.3f} s + {1e3 * fit['per_step_s']:.1f} ms x longest + {1e3 * fit['per_token_s']:.2f} ms"
+            f" x tokens (fitted on {fitted_on}, {100 * fit['relative_rms_error']:.0f}% rms error)")
+
+
 def equal_lengths_ratio(fit: tuple, run: dict) -> float:
     """What none would take to write exactly ``run``'s responses (``fit_none_time``) over the
     time ``run`` took: sampled variants write different lengths, and a longer tail costs a
     closed batch more steps whatever the drafter."""
-    c0, per_step, per_token, _ = fit
-    none_s = c0 + per_step * run["longest_response"] + per_token * run["generated_tokens"]
+    none_s = none_time_s(fit, run["longest_response"], run["generated_tokens"])
     return none_s / run["wall_s"] if run["wall_s"] > 0 else 0.0
 
 
@@ -393,8 +407,7 @@ def run_sweep(args) -> dict:
     engines = {"none": w.engine("none", max(concs))}
     for label in labels:
         engines[label] = w.engine("histospec", max(concs), split_method(label)[1])
-    cells = []
-    all_runs: list = []
+    cells_runs: list = []  # (temperature, concurrency, runs by method, rows by variant)
     try:
         for m, eng in engines.items():
             for t in temps:
@@ -408,12 +421,8 @@ def run_sweep(args) -> dict:
                     order = list(engines) if rep % 2 == 0 else list(reversed(list(engines)))
                     for m in order:
                         runs[m].append(_cell(engines[m], w, t, c, rep))
-                all_runs.append((t, c, runs))
                 rows = {label: _variant_row(runs, label) for label in labels}
-                cell = {"temperature": t, "concurrency": c, **rows[labels[0]]}
-                if len(labels) > 1:
-                    cell["variants"] = rows
-                cells.append(cell)
+                cells_runs.append((t, c, runs, rows))
                 print(f"[sweep] T={t} c={c}: " + "; ".join(
                     f"{label}/none {row['ratio']:.3f}x tok/fwd {row['tokens_per_forward']:.2f}"
                     for label, row in rows.items()), file=sys.stderr)
@@ -424,20 +433,21 @@ def run_sweep(args) -> dict:
             w.trainer.close()
     # Equal lengths: each HistoSpec run against none writing the same responses (fitted over
     # every none run of the sweep), the median over the repeats.
-    fit = fit_none_time([r for _, _, runs in all_runs for r in runs["none"]])
-    if fit is not None:
-        for cell, (_, _, runs) in zip(cells, all_runs):
-            for label in labels:
+    fit = fit_none_time([r for _, _, runs, _ in cells_runs for r in runs["none"]])
+    cells = []
+    for t, c, runs, rows in cells_runs:
+        for label, row in rows.items():
+            if fit is not None:
                 eq = sorted(equal_lengths_ratio(fit, r) for r in runs[label])
-                for target in (cell if label == labels[0] else None, cell.get("variants", {}).get(label)):
-                    if target is not None:
-                        target["ratio_equal_lengths"] = eq[len(eq) // 2]
-                        target["ratios_equal_lengths_each_repeat"] = eq
+                row["ratio_equal_lengths"] = eq[len(eq) // 2]
+                row["ratios_equal_lengths_each_repeat"] = eq
+        cells.append({"temperature": t, "concurrency": c, **rows[labels[0]],
+                      **({"variants": rows} if len(labels) > 1 else {})})
     out = {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
            "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
            "repeats": args.repeats, "variants": labels, "cells": cells, **_ratio_summary([c["ratio"] for c in cells])}
     if fit is not None:
-        out["none_time_fit"] = dict(zip(("c0_s", "per_step_s", "per_token_s", "relative_rms_error"), fit))
+        out["none_time_fit"] = dict(zip(NONE_FIT_FIELDS, fit))
         out["equal_lengths"] = _ratio_summary([c["ratio_equal_lengths"] for c in cells])
     if len(labels) > 1:
         out["variant_summary"] = {
@@ -458,10 +468,8 @@ def _sweep_table(out: dict) -> str:
              f"trained epochs={out['trained_epochs']}: HistoSpec wall-time ratio to none (tokens per forward)"
              + (" [at equal lengths]" if eq else "") + f", median of {out.get('repeats', 1)}"]
     if eq:
-        f = out["none_time_fit"]
-        lines.append(f"equal lengths: none's time for the same responses, {f['c0_s']:.3f} s + {1e3 * f['per_step_s']:.1f} ms"
-                     f" x longest + {1e3 * f['per_token_s']:.2f} ms x tokens (fitted on none's runs, "
-                     f"{100 * f['relative_rms_error']:.0f}% rms error)")
+        lines.append("equal lengths: none's time for the same responses, "
+                     + describe_none_fit(out["none_time_fit"], "none's runs"))
     for k, label in enumerate(labels):
         rows = {key: (cell if k == 0 else cell["variants"][label]) for key, cell in by.items()}
         summ = out if k == 0 else out["variant_summary"][label]
@@ -545,9 +553,9 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if not args.variants or any(v.split("@")[0].strip() != "histospec" for v in args.variants):
+    if not args.variants or any(split_method(v)[0] != "histospec" for v in args.variants):
         p.error("--variants: one or more histospec[@key=value...] specs")
-    if len(set(args.variants)) != len(args.variants) or "none" in args.variants:
+    if len(set(args.variants)) != len(args.variants):
         p.error("--variants: each variant once")
     try:  # fail before any training or engine start-up on a bad key
         probe = Workload(None, [], RolloutConfig(), HistoSpecConfig(), 0, 1)

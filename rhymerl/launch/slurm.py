@@ -36,6 +36,8 @@ def master_port_block(job_id: int) -> range:
     """The ports a job's rendezvous probes, first free one taken."""
     base = PORT_BASE + (job_id % (PORT_SPAN // PORT_BLOCK)) * PORT_BLOCK
     return range(base, base + PORT_BLOCK)
+
+
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
