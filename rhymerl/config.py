@@ -191,6 +191,11 @@ class HistoSpecConfig:
     # 0.87x of none, but inside the RL loop (bench e2e) that run gave 1.38x rollout time per
     # token against the defaults' 1.62x, so the defaults stay until the loop shows a gain.
     step_cost_free_tokens: int = 0
+    # goodput rule: a draft token costs per_token_ms x min(1, R / this) in a step of R running
+    # requests. On a 2-core CPU (SmolLM2-135M, fixed-length drafts, bench rollout --sweep at
+    # T=0) a draft token cost ~0.9 ms at 1 request, ~1.4 ms at 2 and 2.8-3.8 ms from 4 on,
+    # however many drafts the step held. 1 = the same price at every batch size.
+    step_cost_draft_ramp_requests: int = 1
     step_cost_prior_steps: float = 1.0
     # goodput rule: CPU time the proposer spends searching one request's chain, in
     # microseconds (9-12 on a 2-core CPU host with the compiled indexes, 18-29 with the
@@ -754,6 +759,7 @@ def check_static(cfg: RunConfig) -> None:
     _require(h.step_cost_per_token_ms > 0, "histospec.step_cost_per_token_ms", "must be > 0")
     _require(h.step_cost_prior_steps > 0, "histospec.step_cost_prior_steps", "must be > 0")
     _require(h.step_cost_free_tokens >= 0, "histospec.step_cost_free_tokens", "must be >= 0")
+    _require(h.step_cost_draft_ramp_requests >= 1, "histospec.step_cost_draft_ramp_requests", "must be >= 1")
     _require(h.min_goodput_gain >= 0, "histospec.min_goodput_gain", "must be >= 0")
     _require(h.draft_search_us >= 0, "histospec.draft_search_us", "must be >= 0")
     _require(0 < h.acceptance_prior <= 1, "histospec.acceptance_prior", "must be in (0, 1]")

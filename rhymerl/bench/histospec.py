@@ -252,15 +252,18 @@ class HistoSpecMethod(Method):
 @dataclasses.dataclass
 class StepTime:
     """Modelled engine step time (seconds) = fixed + (per_request + per_token) * R + per_token *
-    the draft tokens charged (those beyond ``free_tokens`` scored tokens; ``goodput.charged_drafts``)."""
+    the draft tokens charged (those beyond ``free_tokens`` scored tokens; ``goodput.charged_drafts``),
+    each at min(1, R / ``ramp_requests``) of the price."""
     fixed: float = 0.055
     per_request: float = 0.0046
     per_token: float = 0.0016
     free_tokens: int = 0
+    ramp_requests: int = 1
 
     def __call__(self, num_requests: int, num_scored_tokens: int) -> float:
         drafts = charged_drafts(num_requests, num_scored_tokens - num_requests, self.free_tokens)
-        return self.fixed + (self.per_request + self.per_token) * num_requests + self.per_token * drafts
+        scale = min(1.0, num_requests / self.ramp_requests)
+        return self.fixed + (self.per_request + self.per_token) * num_requests + self.per_token * drafts * scale
 
 
 def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], max_len: int,
@@ -457,6 +460,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--step-per-token-ms", type=float, default=1.6, help="modelled engine step: cost per scored token (ms)")
     ap.add_argument("--step-free-tokens", type=int, default=0,
                     help="modelled engine step: scored tokens per step whose drafts cost nothing extra")
+    ap.add_argument("--step-ramp-requests", type=int, default=1,
+                    help="modelled engine step: a draft token costs min(1, R / this) of the per-token cost at R requests")
     ap.add_argument("--tree-nodes", type=int, default=32, help="node budget of histospec_tree")
     ap.add_argument("--ablations", choices=["none", "quick", "full"], default="quick")
     ap.add_argument("--no-forward-timing", action="store_true", help="skip timing the tiny model's forward (no torch import)")
@@ -464,6 +469,10 @@ def main(argv: list[str]) -> int:
     t_start = time.perf_counter()
     if args.step_free_tokens < 0:
         print(f"rhymerl bench histospec: --step-free-tokens must be >= 0 (got {args.step_free_tokens})", file=sys.stderr)
+        return 2
+    if args.step_ramp_requests < 1:
+        print(f"rhymerl bench histospec: --step-ramp-requests must be >= 1 (got {args.step_ramp_requests})",
+              file=sys.stderr)
         return 2
 
     if args.trace:
@@ -483,14 +492,15 @@ def main(argv: list[str]) -> int:
     base = dataclasses.replace(HistoSpecConfig(), step_cost_fixed_ms=args.step_fixed_ms,
                                step_cost_per_request_ms=args.step_per_request_ms,
                                step_cost_per_token_ms=args.step_per_token_ms,
-                               step_cost_free_tokens=args.step_free_tokens)
+                               step_cost_free_tokens=args.step_free_tokens,
+                               step_cost_draft_ramp_requests=args.step_ramp_requests)
     # The main rows use the settings this benchmark selects (see the min_match and
     # start_after ablations); the config's defaults are reported as an ablation row.
     chain_cfg = dataclasses.replace(base, max_draft=args.max_len, **RECOMMENDED)
     tree_cfg = dataclasses.replace(chain_cfg, tree=True, tree_nodes=args.tree_nodes)
 
     step_time = StepTime(args.step_fixed_ms * 1e-3, args.step_per_request_ms * 1e-3, args.step_per_token_ms * 1e-3,
-                         args.step_free_tokens)
+                         args.step_free_tokens, args.step_ramp_requests)
     none_s: list[float] = []
 
     def run(method: Method, max_len: int = args.max_len) -> dict:

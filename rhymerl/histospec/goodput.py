@@ -5,10 +5,13 @@ Three pieces, all pure Python (no engine, no torch):
 ``StepCostModel``
     Predicted seconds of one engine step that scores ``T`` tokens for ``R`` requests of
     which ``N`` draft: ``fixed + per_request * R + per_token * T + per_drafting_request * N``
-    (``T = R`` + the draft tokens charged). A forward scoring few tokens costs what reading
-    the weights costs, whatever the count: draft tokens that keep the step's scored tokens
-    within ``free_tokens`` are not charged (on a 2-core CPU a draft token costs 0.6 ms at 1
-    request and ~4 ms from 4 requests on). Fitted online by exponentially weighted least squares
+    (``T = R`` + the draft tokens charged). What a draft token costs depends on the step's
+    shape, and two shapes are offered. ``ramp_requests``: its price rises with the step's rows,
+    min(1, R / ramp_requests) of ``per_token`` (on a 2-core CPU, fixed-length drafts: ~0.9 ms
+    at 1 request, ~1.4 ms at 2 with 14 drafts, 2.8-3.8 ms from 4 requests on with 8 drafts
+    or 100: the rows set the price, not the step's token count). ``free_tokens``: drafts
+    that keep the step's scored tokens within that many are not charged (a forward bound by
+    reading the weights). Fitted online by exponentially weighted least squares
     from ``observe_step``, regularised towards the configured prior (a ridge prior of
     ``prior_steps`` pseudo-steps), so the split between the costs stays sane while every
     step has the same shape (no drafts: R == T).
@@ -70,7 +73,7 @@ class StepCostModel:
 
     def __init__(self, fixed: float, per_request: float, per_token: float, per_drafting_request: float = 0.0,
                  prior_steps: float = 1.0, decay: float = 0.999, warmup: int = 2, z: float = 1.0,
-                 explore: int = 16, free_tokens: int = 0):
+                 explore: int = 16, free_tokens: int = 0, ramp_requests: int = 1):
         for name, v in (("fixed", fixed), ("per_request", per_request), ("per_token", per_token),
                         ("per_drafting_request", per_drafting_request)):
             if not (v >= 0.0 and math.isfinite(v)):
@@ -85,7 +88,10 @@ class StepCostModel:
             raise ValueError("step cost z, warmup and explore must be >= 0")
         if free_tokens < 0:
             raise ValueError(f"step cost free_tokens must be >= 0 (got {free_tokens})")
+        if ramp_requests < 1:
+            raise ValueError(f"step cost ramp_requests must be >= 1 (got {ramp_requests})")
         self.free_tokens = int(free_tokens)
+        self.ramp_requests = int(ramp_requests)
         self.prior = (float(fixed), float(per_request), float(per_token), float(per_drafting_request))
         self._prior_basis = (float(fixed), float(per_request) + float(per_token), float(per_token),
                              float(per_drafting_request))
@@ -232,10 +238,17 @@ class StepCostModel:
         that measures it."""
         return 0.0 if self.exploring else max(floor, self.relative_error)
 
-    def charged(self, num_requests: int, draft_tokens: int) -> int:
-        """Draft tokens a step of ``num_requests`` rows pays for: those beyond ``free_tokens``
-        scored tokens."""
-        return charged_drafts(num_requests, draft_tokens, self.free_tokens)
+    def charged(self, num_requests: int, draft_tokens: int) -> float:
+        """Draft tokens a step of ``num_requests`` rows pays for, in full-price tokens: those
+        beyond ``free_tokens`` scored tokens, each at ``draft_scale`` of the per-token cost."""
+        return charged_drafts(num_requests, draft_tokens, self.free_tokens) * self.draft_scale(num_requests)
+
+    def draft_scale(self, num_requests: int) -> float:
+        """Share of the per-token cost a draft token costs in a step of ``num_requests`` rows:
+        rising in proportion to the rows up to ``ramp_requests`` (on a 2-core CPU a draft
+        token costs ~0.9 ms at 1 request, ~1.4 ms at 2 and ~3.3 ms from 4 on, whatever the
+        draft count: it is not the step's token count that sets the price)."""
+        return min(1.0, num_requests / self.ramp_requests) if num_requests > 0 else 1.0
 
     def free_drafts(self, num_requests: int) -> int:
         """Draft tokens a step of ``num_requests`` rows scores at no charge."""
@@ -436,6 +449,7 @@ def plan_step(survival: Sequence[Sequence[float]], cost: StepCostModel, caps: Op
     fixed, per_req, per_tok, per_drow = cost.planning_coef
     e0 = float(n)
     t0 = fixed + (per_req + per_tok) * n
+    per_tok *= cost.draft_scale(n)  # from here on, the price of a draft token
     if n == 0 or not t0 > 0:
         return StepPlan([0] * n, e0, t0)
     chains: list[list[float]] = []  # per request, the gains of its draft positions (non-increasing)

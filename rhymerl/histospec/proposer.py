@@ -293,7 +293,8 @@ class DraftProposer:
         self._reward = cfg.branch == "reward"
         self.cost = StepCostModel(cfg.step_cost_fixed_ms * 1e-3, cfg.step_cost_per_request_ms * 1e-3,
                                   cfg.step_cost_per_token_ms * 1e-3, cfg.step_cost_per_drafting_request_ms * 1e-3,
-                                  prior_steps=cfg.step_cost_prior_steps, free_tokens=cfg.step_cost_free_tokens)
+                                  prior_steps=cfg.step_cost_prior_steps, free_tokens=cfg.step_cost_free_tokens,
+                                  ramp_requests=cfg.step_cost_draft_ramp_requests)
         self.acceptance = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight)
         self._stats = {"calls": 0, "drafts": 0, "proposed": 0, "accepted": 0, "feedbacks": 0, "draft_time_s": 0.0,
                        "steps": 0, "steps_without_drafts": 0, "requests_with_history": 0, "requests": 0,
@@ -416,6 +417,7 @@ class DraftProposer:
             # not pay the verification, and their search is the proposer's whole cost there.
             fixed, per_req, per_tok, per_drow = self.cost.planning_coef
             lam0 = len(items) / (fixed + (per_req + per_tok) * len(items)) if items else 0.0
+            per_tok *= self.cost.draft_scale(len(items))
             free = self.cost.free_drafts(len(items))
             acc = self.acceptance
         searched, skipped, search_s = 0, 0, 0.0

@@ -113,3 +113,8 @@ def test_modelled_step_time_charges_drafts_past_the_free_tokens(capsys):
     assert knee(8, 12) == pytest.approx(linear(8, 12))  # past the knee, every draft is charged
     assert bench.main(["--json", "--step-free-tokens", "-1", "--no-forward-timing"]) == 2
     assert "--step-free-tokens must be >= 0" in capsys.readouterr().err
+    ramp = bench.StepTime(0.05, 0.004, 0.002, ramp_requests=4)
+    assert ramp(1, 5) - ramp(1, 1) == pytest.approx((linear(1, 5) - linear(1, 1)) / 4)
+    assert ramp(8, 12) == pytest.approx(linear(8, 12))  # from 4 requests on, the full price
+    assert bench.main(["--json", "--step-ramp-requests", "0", "--no-forward-timing"]) == 2
+    assert "--step-ramp-requests must be >= 1" in capsys.readouterr().err

@@ -390,7 +390,7 @@ def test_plan_with_free_tokens_is_the_best_plan():
     rng = random.Random(5)
     for _ in range(300):
         cost = StepCostModel(rng.uniform(0.01, 0.06), rng.uniform(0, 0.006), rng.uniform(5e-4, 0.006),
-                             free_tokens=rng.randint(0, 8))
+                             free_tokens=rng.randint(0, 8), ramp_requests=rng.choice([1, rng.randint(2, 6)]))
         f, pr, pt, _ = cost.planning_coef
         n = rng.randint(1, 3)
         surv = [[rng.uniform(0.0, 1.0) for _ in range(rng.randint(0, 4))] for _ in range(n)]
@@ -413,15 +413,39 @@ def test_one_request_drafts_its_free_tokens_even_where_a_charged_token_would_not
     assert plan_step(busy, StepCostModel(0.05, 0.005, 0.004, free_tokens=4)).lengths == [0] * 8
 
 
+def test_draft_price_ramps_with_the_running_requests_and_the_fit_recovers_the_full_price():
+    m = StepCostModel(0.05, 0.002, 0.0034, ramp_requests=4)
+    assert [m.draft_scale(r) for r in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
+    assert m.charged(2, 6) == pytest.approx(3.0) and m.charged(8, 6) == 6
+    assert m.predict(1, 9) == pytest.approx(0.05 + 0.0054 + 0.0034 * 8 / 4)
+    # A 5% token pays for one request (0.85 ms a token), not at the full price nor in a full batch.
+    tail = plan_step([[0.05] * 6], m)
+    full = plan_step([[0.05] * 6] * 8, m)
+    flat = plan_step([[0.05] * 6], StepCostModel(0.05, 0.002, 0.0034))
+    assert tail.lengths[0] > 0 and full.lengths == [0] * 8 and flat.lengths == [0]
+    # Steps timed with the ramp: the fit recovers the full price.
+    rng = random.Random(2)
+    fit = StepCostModel(0.05, 0.002, 0.0016, ramp_requests=4)
+    for _ in range(3000):
+        r = rng.randint(1, 12)
+        d = rng.randint(0, 3 * r)
+        fit.observe_step(r, r + d, 0.05 + 0.0054 * r + 0.0034 * d * min(1.0, r / 4), min(r, d))
+    assert fit.coef[2] == pytest.approx(0.0034, rel=0.05)
+    with pytest.raises(ValueError):
+        StepCostModel(0.05, 0.002, 0.0034, ramp_requests=0)
+
+
 def test_draft_can_pay_is_an_upper_bound_on_the_plan():
     from rhymerl.histospec.goodput import draft_can_pay
     rng = random.Random(3)
     for _ in range(400):
         cost = StepCostModel(rng.uniform(0, 0.05), rng.uniform(0, 0.01), rng.uniform(1e-4, 0.01),
-                             rng.choice([0.0, rng.uniform(0, 0.005)]), free_tokens=rng.choice([0, rng.randint(1, 12)]))
+                             rng.choice([0.0, rng.uniform(0, 0.005)]), free_tokens=rng.choice([0, rng.randint(1, 12)]),
+                             ramp_requests=rng.choice([1, rng.randint(2, 8)]))
         fixed, per_req, per_tok, per_drow = cost.planning_coef
         n = rng.randint(1, 40)
         lam0 = n / (fixed + (per_req + per_tok) * n)
+        per_tok *= cost.draft_scale(n)
         rates = [rng.uniform(0.0, 1.5) for _ in range(8)]
         f = rng.uniform(0.05, 1.5)
         qs = [[rng.uniform(0.1, 1.0) for _ in range(8)] for _ in range(n)]
