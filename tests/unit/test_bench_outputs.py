@@ -192,3 +192,24 @@ def test_e2e_equal_lengths_prices_off_at_the_variant_s_own_responses():
     bare = {"per_step": [{"epoch": 1, "step_s": 2.0, "phases_s": {"rollout": 1.0}}]}
     add_equal_lengths(bare, {"per_step": []})  # nothing to fit: no ratio rather than a made-up one
     assert "rollout_speedup_at_equal_lengths" not in bare
+
+
+def test_e2e_summarises_each_ratio_across_seeds(capsys):
+    from rhymerl.bench import e2e
+
+    def run(on_eq, tpf):
+        return {"variants": {"off": {"rollout_speedup_at_equal_lengths": 1.0, "tokens_per_forward": 1.0},
+                             "histospec": {"rollout_speedup_at_equal_lengths": on_eq, "tokens_per_forward": tpf}}}
+
+    s = e2e.across_seeds({1234: run(1.79, 1.88), 1: run(1.18, 1.54), 2: run(1.07, None)})
+    eq = s["histospec"]["rollout_speedup_at_equal_lengths"]
+    assert eq["seeds"] == [1234, 1, 2] and eq["min"] == 1.07 and eq["max"] == 1.79
+    assert eq["geomean"] == pytest.approx((1.79 * 1.18 * 1.07) ** (1 / 3))
+    assert s["histospec"]["tokens_per_forward"]["seeds"] == [1234, 1]  # a missing ratio is left out
+    assert e2e.parse_seeds("1234, 1,2") == [1234, 1, 2]
+    for bad in ("", "1,1", "x"):
+        with pytest.raises(ValueError):
+            e2e.parse_seeds(bad)
+    with pytest.raises(SystemExit):
+        e2e.main(["--seeds", "1,2", "run.seed=3"])
+    assert "--seeds sets run.seed" in capsys.readouterr().err
