@@ -174,9 +174,10 @@ class HistoSpecConfig:
     # 2-core CPU a draft token costs ~2/3 of a row, on a GPU little). Draft lengths then
     # depend on timings: a resumed sampled run is reproduced in distribution, not token
     # for token (greedy runs are exact either way). "prior" keeps the coefficients below:
-    # token-exact replays and resumes of sampled runs. Prior is the default because inside
-    # the RL loop (bench e2e, long-tailed lengths) measured drafted far less (1.10 and 1.32
-    # tokens per forward in two runs, prior 1.64), although it wins the short fixed-batch sweep.
+    # token-exact replays and resumes of sampled runs. Prior is the default: inside the RL
+    # loop over three seeds (bench e2e --seeds 1234,1,2) measured tied it in time (rollout
+    # at equal lengths 1.32x against 1.30x) with fewer forwards saved (1.22 tokens per
+    # forward against 1.66), and only prior keeps resumes exact.
     step_cost: Literal["measured", "prior"] = "prior"
     # goodput rule: prior of the engine step-time model (the measured fit starts from it).
     step_cost_fixed_ms: float = 55.0
@@ -188,13 +189,17 @@ class HistoSpecConfig:
     # On a 2-core CPU (SmolLM2-135M, bench rollout --sweep): a draft token costs 0.6 ms at 1
     # request, 1.3 ms at 2, 3.7-4.4 ms from 4 requests on. 0 = every draft token is charged:
     # with 7 free tokens and 4.0 ms per token the quick sweep's worst cell rose from 0.79x to
-    # 0.87x of none, but inside the RL loop (bench e2e) that run gave 1.38x rollout time per
-    # token against the defaults' 1.62x, so the defaults stay until the loop shows a gain.
+    # 0.87x of none, but inside the RL loop (bench e2e, one seed) that run gave 1.38x rollout
+    # time per token against the defaults' 1.62x. The rows, not the token count, turned out to
+    # set a draft token's price here: see step_cost_draft_ramp_requests.
     step_cost_free_tokens: int = 0
     # goodput rule: a draft token costs per_token_ms x min(1, R / this) in a step of R running
     # requests. On a 2-core CPU (SmolLM2-135M, fixed-length drafts, bench rollout --sweep at
     # T=0) a draft token cost ~0.9 ms at 1 request, ~1.4 ms at 2 and 2.8-3.8 ms from 4 on,
-    # however many drafts the step held. 1 = the same price at every batch size.
+    # however many drafts the step held. 1 = the same price at every batch size. With 3.4 ms and
+    # 4 the exact full-batch sweep cells came within 2% of none (0.99x and 0.98x at 8 and 32
+    # requests, the prior 0.96x and 0.93x); inside the loop over three seeds it led at equal
+    # lengths (1.48x against 1.34x) and trailed per token (1.24x against 1.41x): not settled.
     step_cost_draft_ramp_requests: int = 1
     step_cost_prior_steps: float = 1.0
     # goodput rule: CPU time the proposer spends searching one request's chain, in
