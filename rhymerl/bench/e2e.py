@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import subprocess
 import sys
 import time
@@ -243,7 +242,7 @@ def _run_seeds(args, seeds: list[int]) -> dict | None:
                "--epochs", str(args.epochs), "--methods", args.methods, "--out", str(Path(args.out) / f"seed-{seed}"),
                *args.overrides, f"run.seed={seed}"]
         print(f"[bench e2e] seed {seed}: {' '.join(cmd[1:])}", file=sys.stderr)
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=os.environ.copy())
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         if proc.returncode != 0:
             print(f"rhymerl bench e2e: seed {seed} failed (exit {proc.returncode}); its log is above", file=sys.stderr)
             return None

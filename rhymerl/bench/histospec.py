@@ -39,7 +39,7 @@ from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
 from rhymerl.histospec.acceptance import accepted_prefix, accepted_tree_path
 from rhymerl.histospec.baselines import NgramDrafter, SuffixDecodingDrafter
-from rhymerl.histospec.goodput import charged_drafts
+from rhymerl.histospec.goodput import charged_drafts, draft_price_scale
 from rhymerl.histospec.proposer import SOURCES
 from rhymerl.histospec.synthetic import synthetic_trace
 from rhymerl.traces import TraceRecord, by_epoch, read_trace
@@ -253,7 +253,7 @@ class HistoSpecMethod(Method):
 class StepTime:
     """Modelled engine step time (seconds) = fixed + (per_request + per_token) * R + per_token *
     the draft tokens charged (those beyond ``free_tokens`` scored tokens; ``goodput.charged_drafts``),
-    each at min(1, R / ``ramp_requests``) of the price."""
+    each at ``goodput.draft_price_scale`` of the price."""
     fixed: float = 0.055
     per_request: float = 0.0046
     per_token: float = 0.0016
@@ -262,7 +262,7 @@ class StepTime:
 
     def __call__(self, num_requests: int, num_scored_tokens: int) -> float:
         drafts = charged_drafts(num_requests, num_scored_tokens - num_requests, self.free_tokens)
-        scale = min(1.0, num_requests / self.ramp_requests)
+        scale = draft_price_scale(num_requests, self.ramp_requests)
         return self.fixed + (self.per_request + self.per_token) * num_requests + self.per_token * drafts * scale
 
 

@@ -244,11 +244,15 @@ class StepCostModel:
         return charged_drafts(num_requests, draft_tokens, self.free_tokens) * self.draft_scale(num_requests)
 
     def draft_scale(self, num_requests: int) -> float:
-        """Share of the per-token cost a draft token costs in a step of ``num_requests`` rows:
-        rising in proportion to the rows up to ``ramp_requests`` (on a 2-core CPU a draft
-        token costs ~0.9 ms at 1 request, ~1.4 ms at 2 and ~3.3 ms from 4 on, whatever the
-        draft count: it is not the step's token count that sets the price)."""
-        return min(1.0, num_requests / self.ramp_requests) if num_requests > 0 else 1.0
+        """Share of the per-token cost a draft token costs in a step of ``num_requests`` rows
+        (``draft_price_scale``)."""
+        return draft_price_scale(num_requests, self.ramp_requests)
+
+    def plan_prices(self, num_requests: int) -> tuple[float, float, float]:
+        """What plans for a step of ``num_requests`` rows are priced at (``planning_coef``):
+        the step's seconds without drafts, a draft token's and a drafting row's."""
+        fixed, per_req, per_tok, per_drow = self.planning_coef
+        return fixed + (per_req + per_tok) * num_requests, per_tok * self.draft_scale(num_requests), per_drow
 
     def free_drafts(self, num_requests: int) -> int:
         """Draft tokens a step of ``num_requests`` rows scores at no charge."""
@@ -276,6 +280,14 @@ def charged_drafts(num_requests: int, draft_tokens: int, free_tokens: int) -> in
     """Draft tokens a step of ``num_requests`` rows pays for when its first ``free_tokens``
     scored tokens cost no more than one."""
     return max(0, num_requests + draft_tokens - free_tokens) - max(0, num_requests - free_tokens)
+
+
+def draft_price_scale(num_requests: int, ramp_requests: int) -> float:
+    """Share of the per-token cost a draft token costs in a step of ``num_requests`` rows:
+    rising in proportion to the rows up to ``ramp_requests`` (on a 2-core CPU a draft token
+    costs ~0.9 ms at 1 request, ~1.4 ms at 2 and ~3.3 ms from 4 on, whatever the draft
+    count: it is not the step's token count that sets the price)."""
+    return min(1.0, num_requests / ramp_requests) if num_requests > 0 else 1.0
 
 
 def _drafting_requests(num_requests: int, drafts: int, given: Optional[int]) -> int:
@@ -446,10 +458,8 @@ def plan_step(survival: Sequence[Sequence[float]], cost: StepCostModel, caps: Op
     of the step emits one token and costs a scored token.
     """
     n = len(survival)
-    fixed, per_req, per_tok, per_drow = cost.planning_coef
+    t0, per_tok, per_drow = cost.plan_prices(n)
     e0 = float(n)
-    t0 = fixed + (per_req + per_tok) * n
-    per_tok *= cost.draft_scale(n)  # from here on, the price of a draft token
     if n == 0 or not t0 > 0:
         return StepPlan([0] * n, e0, t0)
     chains: list[list[float]] = []  # per request, the gains of its draft positions (non-increasing)

@@ -415,9 +415,8 @@ class DraftProposer:
             # A request whose best conceivable draft could not enter the step's plan (and
             # repay the search) is not searched: at a high batch most requests' drafts do
             # not pay the verification, and their search is the proposer's whole cost there.
-            fixed, per_req, per_tok, per_drow = self.cost.planning_coef
-            lam0 = len(items) / (fixed + (per_req + per_tok) * len(items)) if items else 0.0
-            per_tok *= self.cost.draft_scale(len(items))
+            plain_s, per_tok, per_drow = self.cost.plan_prices(len(items))
+            lam0 = len(items) / plain_s if items else 0.0
             free = self.cost.free_drafts(len(items))
             acc = self.acceptance
         searched, skipped, search_s = 0, 0, 0.0
