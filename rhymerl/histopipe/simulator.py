@@ -49,6 +49,8 @@ from rhymerl.traces import TraceError
 
 SCHEDULERS = ("random", "round_robin", "least_loaded", "histopipe", "oracle")
 DEFAULT_GPUS = (64, 512, 4096)
+# --genie: the diagnostic that reveals the responses this far above their group's mean.
+GENIE_OUTLIER_FACTORS = (1.5, 2.5)
 
 
 def plan_queues(w: Workload, plan: Plan) -> list[list[int]]:
@@ -80,10 +82,11 @@ def predictor_error(w: Workload, pred: dict[int, float]) -> dict:
             "spearman": rank_corr}
 
 
-def histopipe_policy(w: Workload, cost: DecodeCostModel, cfg: HistoPipeConfig, pr: LengthPredictor) -> HistoPipePolicy:
+def histopipe_policy(w: Workload, cost: DecodeCostModel, cfg: HistoPipeConfig, pr: LengthPredictor,
+                     cls: type[HistoPipePolicy] = HistoPipePolicy) -> HistoPipePolicy:
     """The live trainer's policy, primed with the predictor's history-based estimates."""
     prior = [pr.predict_log(g.key, w.history.get(g.key)) for g in w.groups]
-    return HistoPipePolicy.from_config(cfg, prior, pr, cost, max_tokens=w.max_tokens)
+    return cls.from_config(cfg, prior, pr, cost, max_tokens=w.max_tokens)
 
 
 def make_policy(name: str, w: Workload, num_instances: int, cost: DecodeCostModel, cfg: HistoPipeConfig,
@@ -106,6 +109,28 @@ def make_policy(name: str, w: Workload, num_instances: int, cost: DecodeCostMode
         P = w.prompt_lens()
         return PriorityPolicy([cost.request_work(float(x), float(pl)) for x, pl in zip(w.lengths.tolist(), P.tolist())], "oracle")
     raise ValueError(f"unknown scheduler {name!r}; choose from {', '.join(SCHEDULERS)}")
+
+
+class OutlierGenie(HistoPipePolicy):
+    """Diagnostic, never a real scheduler: HistoPipe told which responses run past a factor
+    x their group's true mean, and how long they are (``known``: request -> length); those
+    start first, longest first. How much of the gap to the oracle per-response knowledge
+    inside a group would close."""
+
+    known: dict[int, float] = {}
+
+    def key(self, rid: int) -> tuple:
+        if rid in self.known and self.s.generated[rid] == 0:
+            return (-1, -self.known[rid], rid)
+        return super().key(rid)
+
+
+def outlier_genie(w: Workload, cost: DecodeCostModel, cfg: HistoPipeConfig, pr: LengthPredictor, factor: float) -> OutlierGenie:
+    pol = histopipe_policy(w, cost, cfg, pr, cls=OutlierGenie)
+    mean = w.true_group_mean()
+    gof = w.group_of()
+    pol.known = {r: float(L) for r, L in enumerate(w.lengths.tolist()) if L > factor * mean[int(gof[r])]}
+    return pol
 
 
 def run_scheduler(name: str, w: Workload, num_instances: int, cost: DecodeCostModel, cfg: HistoPipeConfig,
@@ -167,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-trace", default=None, help="measure HistoSpec's tokens per forward by position on this trace "
                     "(default: the calibration file's speculation profile)")
     ap.add_argument("--no-projection", action="store_true", help="skip the speculation x scheduling projection rows")
-    ap.add_argument("--genie", action="store_true", help="also run HistoPipe given the true per-group mean lengths (stderr): "
-                    "separates predictor error from the unpredictable spread inside a group")
+    ap.add_argument("--genie", action="store_true", help="also run HistoPipe given the true per-group mean lengths, and "
+                    "given which responses run far past their group's mean (stderr): separates predictor error from the "
+                    "spread inside a group that no group-level signal reveals")
     return ap
 
 
@@ -260,6 +286,11 @@ def main(argv: list[str]) -> int:
             res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), gm)
             print(f"   histopipe with true group means: makespan {res.makespan_s:.1f}s, x oracle {res.makespan_s / oracle.makespan_s:.3f}, "
                   f"bubble {res.bubble_fraction:.3f}", file=err)
+            for factor in GENIE_OUTLIER_FACTORS:
+                gp = outlier_genie(w, cost, cfg, pr, factor)
+                res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), gp)
+                print(f"   histopipe told the {len(gp.known)} responses ({len(gp.known) / max(1, w.num_requests):.1%}) longer than "
+                      f"{factor}x their group's mean: x oracle {res.makespan_s / oracle.makespan_s:.3f}", file=err)
         if spec is not None and not args.no_projection:
             base_rows = [("random", None), ("least_loaded", None), ("least_loaded", spec), ("histopipe", None), ("histopipe", spec)]
             labels = ["no speculation + random", "no speculation + least-loaded", "HistoSpec only (least-loaded)",

@@ -76,4 +76,29 @@ def test_wired_into_the_cli():
                           "--prompts-per-instance", "2", "--genie"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["results"]) == 5
-    assert "true group means" in out.stderr
+    assert "true group means" in out.stderr and "longer than 1.5x their group's mean" in out.stderr
+
+
+def test_outlier_genie_told_every_length_schedules_like_longest_first():
+    import dataclasses
+
+    from rhymerl.config import HistoPipeConfig
+    from rhymerl.histopipe import calibration
+    from rhymerl.histopipe.engine import simulate
+    from rhymerl.histopipe.scheduler import PriorityPolicy
+    from rhymerl.histopipe.simulator import outlier_genie, trained_predictor
+    from rhymerl.histopipe.workload import synthetic
+
+    cost, _, _ = calibration.load(None)
+    w = synthetic(24, n=4, seed=3)
+    cfg = dataclasses.replace(HistoPipeConfig(), migrate=False)
+    pr = trained_predictor(w, cfg)
+    args = (cost, 3, w.lengths, w.prompt_lens(), w.group_of())
+    told_all = outlier_genie(w, cost, cfg, pr, factor=0.0)
+    assert len(told_all.known) == w.num_requests
+    by_length = simulate(*args, PriorityPolicy(w.lengths.tolist()))
+    assert simulate(*args, told_all).makespan_s == pytest.approx(by_length.makespan_s)
+    told_none = outlier_genie(w, cost, cfg, pr, factor=1e9)
+    assert not told_none.known
+    from rhymerl.histopipe.simulator import histopipe_policy
+    assert simulate(*args, told_none).makespan_s == pytest.approx(simulate(*args, histopipe_policy(w, cost, cfg, pr)).makespan_s)
