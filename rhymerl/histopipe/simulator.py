@@ -286,6 +286,12 @@ def main(argv: list[str]) -> int:
             res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), gm)
             print(f"   histopipe with true group means: makespan {res.makespan_s:.1f}s, x oracle {res.makespan_s / oracle.makespan_s:.3f}, "
                   f"bubble {res.bubble_fraction:.3f}", file=err)
+            # Without probes or estimates: what a perfect group-level signal buys on its own.
+            true_mean = w.true_group_mean()
+            by_mean = PriorityPolicy([true_mean[int(g)] for g in w.group_of()], "true group mean")
+            res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), by_mean)
+            print(f"   longest true group mean first (no probes): x oracle {res.makespan_s / oracle.makespan_s:.3f}, "
+                  f"bubble {res.bubble_fraction:.3f}", file=err)
             for factor in GENIE_OUTLIER_FACTORS:
                 gp = outlier_genie(w, cost, cfg, pr, factor)
                 res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), gp)

@@ -76,7 +76,7 @@ def test_wired_into_the_cli():
                           "--prompts-per-instance", "2", "--genie"], cwd=repo, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["results"]) == 5
-    assert "true group means" in out.stderr and "longer than 1.5x their group's mean" in out.stderr
+    assert "true group means" in out.stderr and "longest true group mean first" in out.stderr and "longer than 1.5x their group's mean" in out.stderr
 
 
 def test_outlier_genie_told_every_length_schedules_like_longest_first():
