@@ -115,9 +115,9 @@ class OutlierGenie(HistoPipePolicy):
     """Diagnostic, never a real scheduler: HistoPipe told which responses run past a factor
     x their group's true mean, and how long they are (``known``: request -> length); those
     start first, longest first. How much of the gap to the oracle per-response knowledge
-    inside a group would close."""
+    inside a group would close. ``outlier_genie`` sets ``known``."""
 
-    known: dict[int, float] = {}
+    known: dict[int, float]
 
     def key(self, rid: int) -> tuple:
         if rid in self.known and self.s.generated[rid] == 0:
@@ -281,20 +281,21 @@ def main(argv: list[str]) -> int:
             print(f"   {s:<13}{r.makespan_s:>11.1f}{r.bubble_fraction:>8.3f}{ratio:>9.3f}{r.probes:>8}{r.stragglers:>11}"
                   f"{r.migrated:>9}{extra[s]:>7.1f}", file=err)
         if args.genie:
-            gm = HistoPipePolicy.from_config(cfg, [math.log(max(1.0, x)) for x in w.true_group_mean().values()], pr, cost,
+            true_mean, group_of = w.true_group_mean(), w.group_of()
+            sim_args = (cost, N, w.lengths, w.prompt_lens(), group_of)
+            gm = HistoPipePolicy.from_config(cfg, [math.log(max(1.0, x)) for x in true_mean.values()], pr, cost,
                                              max_tokens=w.max_tokens)
-            res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), gm)
+            res = simulate(*sim_args, gm)
             print(f"   histopipe with true group means: makespan {res.makespan_s:.1f}s, x oracle {res.makespan_s / oracle.makespan_s:.3f}, "
                   f"bubble {res.bubble_fraction:.3f}", file=err)
             # Without probes or estimates: what a perfect group-level signal buys on its own.
-            true_mean = w.true_group_mean()
-            by_mean = PriorityPolicy([true_mean[int(g)] for g in w.group_of()], "true group mean")
-            res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), by_mean)
+            by_mean = PriorityPolicy([true_mean[int(gi)] for gi in group_of], "true group mean")
+            res = simulate(*sim_args, by_mean)
             print(f"   longest true group mean first (no probes): x oracle {res.makespan_s / oracle.makespan_s:.3f}, "
                   f"bubble {res.bubble_fraction:.3f}", file=err)
             for factor in GENIE_OUTLIER_FACTORS:
                 gp = outlier_genie(w, cost, cfg, pr, factor)
-                res = simulate(cost, N, w.lengths, w.prompt_lens(), w.group_of(), gp)
+                res = simulate(*sim_args, gp)
                 print(f"   histopipe told the {len(gp.known)} responses ({len(gp.known) / max(1, w.num_requests):.1%}) longer than "
                       f"{factor}x their group's mean: x oracle {res.makespan_s / oracle.makespan_s:.3f}", file=err)
         if spec is not None and not args.no_projection:

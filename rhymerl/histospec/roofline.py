@@ -11,8 +11,8 @@ token adds its matmul FLOPs.
 
     python -m rhymerl.histospec.roofline /models/Qwen2.5-7B --tp 1 --context 4096
 
-prints the keys for a config (the price of a draft token flat at every batch size). ``histospec.step_cost: measured`` then refits them
-from the engine's own steps as the run goes.
+prints the keys for a config (the price of a draft token flat at every batch size).
+``histospec.step_cost: measured`` then refits them from the engine's own steps as the run goes.
 """
 
 from __future__ import annotations

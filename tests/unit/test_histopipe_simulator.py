@@ -86,7 +86,7 @@ def test_outlier_genie_told_every_length_schedules_like_longest_first():
     from rhymerl.histopipe import calibration
     from rhymerl.histopipe.engine import simulate
     from rhymerl.histopipe.scheduler import PriorityPolicy
-    from rhymerl.histopipe.simulator import outlier_genie, trained_predictor
+    from rhymerl.histopipe.simulator import histopipe_policy, outlier_genie, trained_predictor
     from rhymerl.histopipe.workload import synthetic
 
     cost, _, _ = calibration.load(None)
@@ -100,5 +100,4 @@ def test_outlier_genie_told_every_length_schedules_like_longest_first():
     assert simulate(*args, told_all).makespan_s == pytest.approx(by_length.makespan_s)
     told_none = outlier_genie(w, cost, cfg, pr, factor=1e9)
     assert not told_none.known
-    from rhymerl.histopipe.simulator import histopipe_policy
     assert simulate(*args, told_none).makespan_s == pytest.approx(simulate(*args, histopipe_policy(w, cost, cfg, pr)).makespan_s)
