@@ -15,7 +15,11 @@ log-probabilities do not change the counts (see rhymerl/histospec/acceptance.py)
 
 Methods: none; ngram (vLLM's prompt-lookup rule over prompt + generated);
 suffix (a re-implementation of SuffixDecoding over the same history, since
-arctic-inference is not installed); histospec_chain; histospec_tree.
+arctic-inference is not installed); histospec_chain; histospec_tree. The
+``hindsight_ceiling`` ablation says what the text allows: at each step the longest
+continuation any occurrence of the last token (or the last two) offers, picked knowing the
+answer (``HindsightMethod``); with one token, no chain that continues the last token in the
+same text accepts more at that step.
 Figures: tokens_per_forward (hardware independent), mean_accepted_len (accepted
 draft tokens per forward), acceptance_rate, draft_tokens_per_forward (verification
 work), draft_us_per_token / draft_us_per_call (measured here), index_kb_per_1k_tokens,
@@ -244,6 +248,78 @@ class HistoSpecMethod(Method):
             out[f"by_source/{src}/accepted"] = st[f"source/{src}/accepted"]
             out[f"by_source/{src}/acceptance"] = st[f"source/{src}/accepted"] / max(1, st[f"source/{src}/proposed"])
         return out
+
+
+class HindsightMethod(Method):
+    """A ceiling, not a drafter: at each step, the longest continuation that agrees with the
+    recorded response, of any occurrence of the request's last ``context`` tokens in
+    everything a drafter in this engine could have seen (every earlier epoch's responses,
+    this epoch's requests' tokens so far, finished ones whole, and the prompts), picked
+    knowing the answer. A real drafter has to pick that continuation from the same text
+    without the answer; the gap is what choosing costs, the ceiling what the text allows."""
+
+    START = -1  # a response's virtual start marker, as the drafters' indexes have it
+
+    def __init__(self, context: int):
+        self.name = f"hindsight_context_{context}"
+        self.m = context
+        self._texts: list[list[int]] = []
+        # (last ``m`` tokens) -> next token -> [(text, position of that next token)]
+        self._index: dict[tuple, dict[int, list[tuple[int, int]]]] = {}
+        self._req: dict[str, tuple[int, TraceRecord]] = {}
+
+    def _append(self, tid: int, tokens) -> None:
+        text, m, index = self._texts[tid], self.m, self._index
+        for t in tokens:
+            text.append(t)
+            i = len(text) - 1
+            if i >= m:
+                index.setdefault(tuple(text[i - m:i]), {}).setdefault(t, []).append((tid, i))
+
+    def _add_text(self, tokens) -> int:
+        self._texts.append([])
+        self._append(len(self._texts) - 1, tokens)
+        return len(self._texts) - 1
+
+    def observe(self, epoch, groups):
+        if self._req:
+            raise RuntimeError("an epoch ended with requests still running")
+        if not self._texts:  # the first epoch; later ones were indexed as they were generated
+            for recs in groups.values():
+                for r in recs:
+                    self._add_text([self.START, *r.token_ids])
+
+    def begin(self, rid, rec):
+        self._add_text(_prompt_tokens(rec))
+        self._req[rid] = (self._add_text([self.START]), rec)
+
+    def propose_step(self, items):
+        # Every running request's new tokens are visible to all before anyone drafts.
+        for rid, generated, _ in items:
+            tid, _ = self._req[rid]
+            self._append(tid, generated[len(self._texts[tid]) - 1:])
+        out = []
+        for rid, generated, max_len in items:
+            tid, rec = self._req[rid]
+            own, truth = self._texts[tid], rec.token_ids
+            p = len(generated)
+            best = 0
+            if len(own) >= self.m and p < len(truth):
+                for cand_tid, i in self._index.get(tuple(own[-self.m:]), {}).get(truth[p], ()):
+                    text = self._texts[cand_tid]
+                    k, stop = 0, min(max_len, len(text) - i, len(truth) - p)
+                    while k < stop and text[i + k] == truth[p + k]:
+                        k += 1
+                    best = max(best, k)
+            out.append((truth[p:p + best], None))
+        return out
+
+    def observe_step(self, num_requests, num_scored_tokens, seconds, num_drafting_requests=None):
+        pass
+
+    def end(self, rid, rec):
+        tid, _ = self._req.pop(rid)
+        self._append(tid, rec.token_ids[len(self._texts[tid]) - 1:])
 
 
 # -- replay -------------------------------------------------------------------------------
@@ -576,6 +652,12 @@ def main(argv: list[str]) -> int:
         cold["suffix"] = _finish(simulate(_suffix_method(args.max_len), epochs, args.max_len, cold=True), args.verify_cost)
         ablations["cold_start_first_epoch"] = cold
         ablations["ngram_params"] = {"ngram[5,5] (vLLM default)": run(NgramMethod(5, 5))}
+        # What the text allows: the best continuation, picked knowing the answer, of the last
+        # one or two tokens anywhere a drafter could have looked (chains of at most --max-len).
+        ablations["hindsight_ceiling"] = {
+            "histospec_chain (goodput)": dict(methods["histospec_chain"]),
+            f"histospec_chain fixed_{args.max_len}": hs("fixed_max", draft_rule="fixed", fixed_len=args.max_len),
+            **{f"hindsight, last {c} token{'s' if c > 1 else ''}": run(HindsightMethod(c)) for c in (1, 2)}}
         if args.ablations == "full":
             ablations["match_window"] = {f"match_window_{w}": hs(f"mw{w}", match_window=w) for w in (3, 5, 7, 12)}
             ablations["min_prob"] = {f"min_prob_{p}": hs(f"mp{p}", min_prob=p) for p in (0.0, 0.1, 0.3)}

@@ -118,3 +118,33 @@ def test_modelled_step_time_charges_drafts_past_the_free_tokens(capsys):
     assert ramp(8, 12) == pytest.approx(linear(8, 12))  # from 4 requests on, the full price
     assert bench.main(["--json", "--step-ramp-requests", "0", "--no-forward-timing"]) == 2
     assert "--step-ramp-requests must be >= 1" in capsys.readouterr().err
+
+
+def _epochs(responses_by_epoch):
+    from rhymerl.traces import TraceRecord
+
+    recs = [TraceRecord(pid, ep, i, list(toks), prompt_token_ids=[900, 901])
+            for ep, groups in enumerate(responses_by_epoch) for pid, resps in groups.items()
+            for i, toks in enumerate(resps)]
+    return by_epoch(recs)
+
+
+def test_hindsight_ceiling_drafts_what_the_text_allows_and_nothing_unseen():
+    same = {"p": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]}
+    # A repeated response: the first step has one token of context (the start marker), too
+    # little; from then on every step takes a whole max_len draft plus its bonus token.
+    r = bench.simulate(bench.HindsightMethod(2), _epochs([same, same]), max_len=4)
+    assert (r["generated_tokens"], r["forwards"], r["acceptance_rate"]) == (11, 3, 1.0)  # 1 + 5 + 5
+    # Nothing seen before and no repeats in its own output: no draft can exist.
+    fresh = _epochs([{"p": [[50, 51, 52]]}, {"p": [[60, 61, 62, 63, 64, 65]]}])
+    assert bench.simulate(bench.HindsightMethod(1), fresh, max_len=4)["forwards"] == 6
+    # Its own output so far is visible, its future is not: "7 8 9" recurs once it was written.
+    own = _epochs([{"p": [[50]]}, {"p": [[7, 8, 9, 1, 7, 8, 9, 2]]}])
+    r = bench.simulate(bench.HindsightMethod(1), own, max_len=4)
+    assert r["forwards"] == 6 and r["mean_accepted_len"] == pytest.approx(2 / 6)  # 8 9 drafted after the second 7
+    # A sibling's tokens count once written: B is a token behind A and copies what A wrote.
+    a, b = [3, 1, 4, 1, 5, 9, 2, 6], [3, 3, 1, 4, 1, 5, 9]
+    alone = sum(bench.simulate(bench.HindsightMethod(1), _epochs([{"p": [[50]]}, {"p": [t]}]), max_len=4)["forwards"]
+                for t in (a, b))
+    assert alone == len(a) + len(b)
+    assert bench.simulate(bench.HindsightMethod(1), _epochs([{"p": [[50]]}, {"p": [a, b]}]), max_len=4)["forwards"] < alone
