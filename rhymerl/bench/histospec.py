@@ -43,7 +43,7 @@ from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
 from rhymerl.histospec.acceptance import accepted_prefix, accepted_tree_path
 from rhymerl.histospec.baselines import NgramDrafter, SuffixDecodingDrafter
-from rhymerl.histospec.goodput import charged_drafts, draft_price_scale
+from rhymerl.histospec.goodput import StepCostModel
 from rhymerl.histospec.proposer import SOURCES
 from rhymerl.histospec.synthetic import synthetic_trace
 from rhymerl.traces import TraceRecord, by_epoch, read_trace
@@ -327,19 +327,22 @@ class HindsightMethod(Method):
 
 @dataclasses.dataclass
 class StepTime:
-    """Modelled engine step time (seconds) = fixed + (per_request + per_token) * R + per_token *
-    the draft tokens charged (those beyond ``free_tokens`` scored tokens; ``goodput.charged_drafts``),
-    each at ``goodput.draft_price_scale`` of the price."""
+    """Modelled engine step time (seconds): the goodput rule's own step-cost model held at
+    these costs (``goodput.StepCostModel.predict``), so the replay's clock and the plans
+    priced against it are one formula. Draft tokens beyond ``free_tokens`` scored tokens are
+    charged, each at ``goodput.draft_price_scale`` of the per-token price."""
     fixed: float = 0.055
     per_request: float = 0.0046
     per_token: float = 0.0016
     free_tokens: int = 0
     ramp_requests: int = 1
 
+    def __post_init__(self) -> None:
+        self._model = StepCostModel(self.fixed, self.per_request, self.per_token, free_tokens=self.free_tokens,
+                                    ramp_requests=self.ramp_requests)
+
     def __call__(self, num_requests: int, num_scored_tokens: int) -> float:
-        drafts = charged_drafts(num_requests, num_scored_tokens - num_requests, self.free_tokens)
-        scale = draft_price_scale(num_requests, self.ramp_requests)
-        return self.fixed + (self.per_request + self.per_token) * num_requests + self.per_token * drafts * scale
+        return self._model.predict(num_requests, num_scored_tokens)
 
 
 def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], max_len: int,
@@ -547,6 +550,13 @@ def main(argv: list[str]) -> int:
     t_start = time.perf_counter()
     if args.step_free_tokens < 0:
         print(f"rhymerl bench histospec: --step-free-tokens must be >= 0 (got {args.step_free_tokens})", file=sys.stderr)
+        return 2
+    for flag, v in (("--step-fixed-ms", args.step_fixed_ms), ("--step-per-request-ms", args.step_per_request_ms)):
+        if not v >= 0:
+            print(f"rhymerl bench histospec: {flag} must be >= 0 (got {v})", file=sys.stderr)
+            return 2
+    if not args.step_per_token_ms > 0:
+        print(f"rhymerl bench histospec: --step-per-token-ms must be > 0 (got {args.step_per_token_ms})", file=sys.stderr)
         return 2
     if args.step_ramp_requests < 1:
         print(f"rhymerl bench histospec: --step-ramp-requests must be >= 1 (got {args.step_ramp_requests})",

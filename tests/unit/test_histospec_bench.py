@@ -118,6 +118,10 @@ def test_modelled_step_time_charges_drafts_past_the_free_tokens(capsys):
     assert ramp(8, 12) == pytest.approx(linear(8, 12))  # from 4 requests on, the full price
     assert bench.main(["--json", "--step-ramp-requests", "0", "--no-forward-timing"]) == 2
     assert "--step-ramp-requests must be >= 1" in capsys.readouterr().err
+    assert bench.main(["--json", "--step-per-token-ms", "0", "--no-forward-timing"]) == 2
+    assert "--step-per-token-ms must be > 0" in capsys.readouterr().err
+    assert bench.main(["--json", "--step-fixed-ms", "-1", "--no-forward-timing"]) == 2
+    assert "--step-fixed-ms must be >= 0" in capsys.readouterr().err
 
 
 def _epochs(responses_by_epoch):
