@@ -63,12 +63,16 @@ QUESTIONS = [
 ]
 
 
-def _prompts(model_dir, count: int) -> list[list[int]]:
+def _prompts(model_dir, count: int, distinct: bool = False) -> list[list[int]]:
+    """``count`` chat prompts of the built-in questions, repeating them past the first dozen
+    (``distinct``: each repeat marked as a variant, so no two prompts are the same)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     out = []
-    for q in (QUESTIONS * (count // len(QUESTIONS) + 1))[:count]:
+    for i, q in enumerate((QUESTIONS * (count // len(QUESTIONS) + 1))[:count]):
+        if distinct and i >= len(QUESTIONS):
+            q = f"{q} (Variant {i // len(QUESTIONS) + 1}.)"
         if tok.chat_template:
             ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):

