@@ -10,16 +10,18 @@ One engine, greedy decoding, drafts from the history alone with a fixed length: 
 holds an untimed pass over the first N of the R prompts, so exactly those requests draft and
 their drafts are the tokens the engine writes. Each decode step's (R, D, N, seconds) is taken
 where the engine reports it to the proposer (prefill steps excluded, as in the live fit), over
-a grid of requests, drafting shares and draft lengths, and fitted by least squares on relative
-errors. The draft token's price by batch size (each drafted step's excess over the fit without
-drafts, per draft token) shows the shape ``histospec.step_cost_draft_ramp_requests`` models.
+a grid of requests, drafting shares and draft lengths, and fitted by the engine's own fit
+(``StepCostModel``) without its prior. The draft token's price by batch size (each drafted
+step's excess over the fit without drafts, per draft token) shows the shape
+``histospec.step_cost_draft_ramp_requests`` models.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Iterable, Sequence
+
+from rhymerl.histospec.goodput import StepCostModel
 
 # Drafting shares of the requests and draft lengths each batch size is measured at.
 GRID = ((0.0, 0), (0.5, 1), (0.5, 4), (1.0, 2))
@@ -35,17 +37,16 @@ class StepRow:
     seconds: float
 
 
-def _solve(rows: Sequence[StepRow], columns) -> tuple[list[float], float]:
-    """Least squares on relative errors (each row weighted 1/seconds): coefficients and the
-    root-mean-square relative error."""
-    import numpy as np
-
-    x = np.array([[f(r) for f in columns] for r in rows], dtype=float)
-    y = np.array([r.seconds for r in rows], dtype=float)
-    w = 1.0 / y
-    coef = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)[0]
-    rel = (x @ coef - y) / y
-    return [float(c) for c in coef], float(math.sqrt(float(np.mean(rel * rel))))
+def _fitted(rows: Sequence[StepRow]) -> StepCostModel:
+    """The engine's own step-cost fit (``goodput.StepCostModel``: the basis (1, R, D, N),
+    relative errors, non-negative costs) over ``rows``, with no prior weight, decay or
+    warm-up: the measured steps alone."""
+    # The prior only seeds the ridge terms, weighted 1e-9 of a step; its draft/row ratio
+    # (1/2) stands in for the draft columns of steps that never drafted.
+    model = StepCostModel(1.0, 1.0, 1.0, prior_steps=1e-9, decay=1.0, warmup=0)
+    for r in rows:
+        model.observe_step(r.requests, r.requests + r.draft_tokens, r.seconds, r.drafting_requests)
+    return model
 
 
 def fit_step_costs(rows: Iterable[StepRow]) -> dict:
@@ -56,13 +57,14 @@ def fit_step_costs(rows: Iterable[StepRow]) -> dict:
     if len({r.requests for r in rows}) < 2 or len(drafted) < 4 or len(rows) < 8:
         raise ValueError("calibration needs decode steps at two batch sizes or more, some of them with drafts "
                          f"(got {len(rows)} steps, {len(drafted)} with drafts)")
-    (fixed, per_row, per_token, per_drow), rel = _solve(
-        rows, (lambda r: 1.0, lambda r: r.requests, lambda r: r.draft_tokens, lambda r: r.drafting_requests))
+    model = _fitted(rows)
+    fixed, per_request, per_token, per_drow = model.coef
     # Without drafts: the base every drafted step's excess is measured from.
     plain = [r for r in rows if r.draft_tokens == 0]
     base = None
     if len({r.requests for r in plain}) >= 2:
-        base, _ = _solve(plain, (lambda r: 1.0, lambda r: r.requests))
+        c = _fitted(plain).coef
+        base = (c[0], c[1] + c[2])
     price = []
     for lo, hi in PRICE_BUCKETS:
         sel = [r for r in drafted if lo <= r.requests <= hi]
@@ -73,15 +75,14 @@ def fit_step_costs(rows: Iterable[StepRow]) -> dict:
                       "draft_tokens_per_step": sum(r.draft_tokens for r in sel) / len(sel),
                       "ms_per_draft_token": 1e3 * excess / sum(r.draft_tokens for r in sel)})
     notes = []
-    if per_row < per_token:
+    if per_request == 0.0:
         notes.append("a draft token fitted dearer than a row: per_request clamped to 0")
-    if per_drow < 0:
-        notes.append(f"a drafting row fitted at {1e3 * per_drow:.2f} ms beyond its tokens: clamped to 0")
-    keys = {"step_cost_fixed_ms": 1e3 * max(0.0, fixed), "step_cost_per_request_ms": 1e3 * max(0.0, per_row - per_token),
-            "step_cost_per_token_ms": 1e3 * max(per_token, 1e-6),
-            "step_cost_per_drafting_request_ms": 1e3 * max(0.0, per_drow)}
-    return {"keys": keys, "per_row_ms": 1e3 * per_row, "relative_rms_error": rel, "steps": len(rows),
-            "steps_with_drafts": len(drafted), "no_draft_fit_ms": None if base is None else
+    if per_drow == 0.0:
+        notes.append("a drafting row fitted at no cost or less beyond its tokens: clamped to 0")
+    keys = {"step_cost_fixed_ms": 1e3 * fixed, "step_cost_per_request_ms": 1e3 * per_request,
+            "step_cost_per_token_ms": 1e3 * per_token, "step_cost_per_drafting_request_ms": 1e3 * per_drow}
+    return {"keys": keys, "per_row_ms": 1e3 * (per_request + per_token), "relative_rms_error": model.relative_error,
+            "steps": len(rows), "steps_with_drafts": len(drafted), "no_draft_fit_ms": None if base is None else
             {"fixed": 1e3 * base[0], "per_request": 1e3 * base[1]}, "draft_price_by_requests": price, "notes": notes}
 
 
