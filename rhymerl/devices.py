@@ -113,3 +113,13 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def set_cpu_threads(n: int) -> None:
+    """Set torch's intra-op threads on this host. Through torch._C's setter: once a vLLM CPU
+    engine is built, ``torch.set_num_threads`` is vLLM's no-op (its worker binds the threads of
+    its own processes; ours runs in this one), and a later call would be dropped with a
+    warning."""
+    if n < 1:
+        raise ValueError(f"CPU threads must be >= 1, got {n}")
+    torch._C.set_num_threads(int(n))

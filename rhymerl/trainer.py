@@ -148,8 +148,9 @@ class Trainer:
         from rhymerl.colocation import Colocation
         from rhymerl.devices import free_memory_probe, host_heap_trimmer
 
-        # vLLM's CPU worker lowers torch's threads for serving; training gets its own back.
-        rollout_threads = torch.get_num_threads()
+        # The engine decodes with the process's threads; were its threads ever fewer, training
+        # would get its own back.
+        rollout_threads = self.engine.cpu_threads or train_threads
         self.colocation = Colocation(self.engine, self.backend, cfg.rollout.sleep_level,
                                      device_free_bytes=free_memory_probe(groups.device),
                                      cpu_threads=(train_threads, rollout_threads) if groups.device.type == "cpu"
@@ -292,6 +293,9 @@ class Trainer:
             # Engines that answered (one per rollout.tensor_parallel ranks).
             "rollout/instances": len(gathered),
         }
+        if self.engine.cpu_threads is not None:
+            # Intra-op threads the CPU engine decoded with (the process's: training's).
+            metrics["rollout/cpu_threads"] = self.engine.cpu_threads
         for g in actual:
             self.predictor.observe(self.prompt_keys[batch_indices[g]], actual[g])
         return samples, metrics

@@ -63,6 +63,29 @@ QUESTIONS = [
 ]
 
 
+def add_threads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads of the engines (default 0: the process's own, all its cores unless "
+                        "OMP_NUM_THREADS says otherwise, as the trainer's engine decodes with)")
+
+
+def engine_threads(n: int) -> int:
+    """Pin the engines' intra-op threads to ``n`` (0: leave the process's own, which is what
+    the trainer's in-process engine decodes with) before any engine is built; returns the count."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if n:
+        from rhymerl.devices import set_cpu_threads
+
+        set_cpu_threads(n)
+    return _threads()
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _prompts(model_dir, count: int, distinct: bool = False) -> list[list[int]]:
     """``count`` chat prompts of the built-in questions, repeating them past the first dozen
     (``distinct``: each repeat marked as a variant, so no two prompts are the same)."""
@@ -294,7 +317,7 @@ def run(args) -> dict:
             r["speedup_vs_none"] = base / r["wall_s"] if base else None
     out = {"workload": args.config or args.model, "temperature": temp, "n": w.rollout.n, "prompts": len(w.prompts),
            "max_tokens": w.rollout.max_tokens, "num_speculative_tokens": w.rollout.num_speculative_tokens,
-           "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
+           "trained_epochs": args.train_epochs if args.config else 0, "threads": _threads(),
            "methods": results}
     if w.trainer is not None:
         w.trainer.close()
@@ -448,7 +471,7 @@ def run_sweep(args) -> dict:
         cells.append({"temperature": t, "concurrency": c, **rows[labels[0]],
                       **({"variants": rows} if len(labels) > 1 else {})})
     out = {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
-           "trained_epochs": args.train_epochs if args.config else 0, "threads": os.environ.get("OMP_NUM_THREADS"),
+           "trained_epochs": args.train_epochs if args.config else 0, "threads": _threads(),
            "repeats": args.repeats, "variants": labels, "cells": cells, **_ratio_summary([c["ratio"] for c in cells])}
     if fit is not None:
         out["none_time_fit"] = dict(zip(NONE_FIT_FIELDS, fit))
@@ -535,6 +558,7 @@ def main(argv: list[str]) -> int:
                         "histospec,histospec@histospec.step_cost=measured")
     p.add_argument("--repeats", type=int, default=3,
                    help="--sweep: interleaved repetitions of each cell per method (the median is kept)")
+    add_threads_flag(p)
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
     args = p.parse_args(argv)
     if args.model:
@@ -569,10 +593,9 @@ def main(argv: list[str]) -> int:
         p.error(f"--variants: {e}")
     if not args.sweep_temperatures or not args.sweep_concurrency or min(args.sweep_concurrency) < 1:
         p.error("--sweep-temperatures and --sweep-concurrency need at least one value each (concurrency >= 1)")
-    # One intra-op thread, as vLLM serves on a 2-core host: a second thread spin-waits at every
-    # parallel region and turns any other process on the machine into a stall of every kernel.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.threads < 0:
+        p.error("--threads must be >= 1 (0: the process's own)")
+    engine_threads(args.threads)
     with quiet_stdout():
         out = run_sweep(args) if args.sweep else run(args)
     print(_sweep_table(out) if args.sweep else _table(out), file=sys.stderr)

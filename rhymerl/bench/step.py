@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -130,7 +129,7 @@ VARIANTS = {
 
 
 def run(args) -> dict:
-    from rhymerl.bench.rollout import _prompts, median_run
+    from rhymerl.bench.rollout import _prompts, _threads, median_run
     from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
     from rhymerl.histospec import HistoryStore
     from rhymerl.models import resolve_model
@@ -140,7 +139,7 @@ def run(args) -> dict:
     model_dir = resolve_model(ModelConfig(path=args.model))
     prompts = _prompts(model_dir, max(args.sizes))
     out: dict = {"model": args.model, "tokens": args.tokens, "temperature": args.temperature, "sizes": args.sizes,
-                 "repeats": args.repeats, "threads": os.environ.get("OMP_NUM_THREADS"), "variants": {}}
+                 "repeats": args.repeats, "threads": _threads(), "variants": {}}
     engines: dict = {}
     timers: dict = {}
     hs = HistoSpecConfig()
@@ -227,6 +226,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibrate", action="store_true",
                    help="measure the goodput rule's step-cost prior (histospec.step_cost_* keys) on this machine")
+    from rhymerl.bench.rollout import add_threads_flag
+
+    add_threads_flag(p)
     args = p.parse_args(argv)
     cal = args.calibrate
     try:
@@ -243,10 +245,12 @@ def main(argv: list[str]) -> int:
     if cal and len(args.sizes) < 2:
         print("rhymerl bench step: --calibrate needs two --sizes or more", file=sys.stderr)
         return 2
-    # As bench rollout: one intra-op thread, what vLLM serves with on a 2-core host.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from rhymerl.bench.rollout import quiet_stdout
+    if args.threads < 0:
+        print(f"rhymerl bench step: --threads must be >= 1, or 0 for the process's own (got {args.threads})", file=sys.stderr)
+        return 2
+    from rhymerl.bench.rollout import engine_threads, quiet_stdout
+
+    threads = engine_threads(args.threads)
 
     if cal:
         from rhymerl.bench import step_calibration
@@ -254,7 +258,7 @@ def main(argv: list[str]) -> int:
         with quiet_stdout():
             rows = step_calibration.measure(args)
         out = {"model": args.model, "tokens": args.tokens, "sizes": args.sizes, "repeats": args.repeats,
-               "threads": os.environ.get("OMP_NUM_THREADS"), **step_calibration.fit_step_costs(rows)}
+               "threads": threads, **step_calibration.fit_step_costs(rows)}
         print(step_calibration.table(out), file=sys.stderr)
         if args.json:
             print(json.dumps(out))

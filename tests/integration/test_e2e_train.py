@@ -98,6 +98,8 @@ def test_tiny_config_single_process_learns_and_drafts(single_run):
     assert all(0 < r["train/logprob_mean_abs"] <= r["train/logprob_max_abs"] for r in rows)
     # One update per batch is on-policy: the old log-probs are the loss's own forward's.
     assert all(r["train/ratio_max"] == r["train/ratio_min"] == 1.0 for r in rows)
+    # The CPU engine reports the intra-op threads it decoded with (the process's own).
+    assert all(r["rollout/cpu_threads"] >= 1 for r in rows), [r.get("rollout/cpu_threads") for r in rows]
 
 
 def test_tiny_config_two_ranks_dp2_learns_and_drafts(tmp_path):

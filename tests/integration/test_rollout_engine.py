@@ -325,6 +325,27 @@ def _param_bytes(engine) -> int:
     return sum(engine.llm.collective_rpc(count))
 
 
+def test_engine_decodes_with_the_process_threads(model_dir):
+    """vLLM serves with one intra-op thread (its scheduler has a core of its own elsewhere);
+    the in-process engine keeps the threads the process had when it was built (training's)."""
+    import torch
+
+    from rhymerl.devices import set_cpu_threads
+
+    before = torch.get_num_threads()
+    set_cpu_threads(2)
+    e = None
+    try:
+        e = _engine(model_dir, "none")
+        assert e.cpu_threads == 2 and torch.get_num_threads() == 2
+        e.generate(PROMPTS[:1], 1, _greedy(4))
+        assert e.metrics()["cpu_threads"] == 2
+    finally:
+        if e is not None:
+            e.shutdown()
+        set_cpu_threads(before)
+
+
 def test_sleep_frees_the_kv_cache_on_cpu_and_wake_restores_it(model_dir, none_engine):
     from safetensors.torch import load_file
 

@@ -54,3 +54,19 @@ def test_backend_devices():
         devices.declare_backend_device("nccl", None)
     with pytest.raises(ValueError, match="unknown torch.distributed backend"):
         devices.backend_device("carrier-pigeon")
+
+
+def test_set_cpu_threads_works_where_torch_set_num_threads_is_a_no_op(monkeypatch):
+    # What a built vLLM CPU engine leaves behind: torch.set_num_threads replaced by a no-op.
+    before = torch.get_num_threads()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    want = 2 if before != 2 else 1
+    try:
+        torch.set_num_threads(want)
+        assert torch.get_num_threads() == before
+        devices.set_cpu_threads(want)
+        assert torch.get_num_threads() == want
+    finally:
+        devices.set_cpu_threads(before)
+    with pytest.raises(ValueError, match=">= 1"):
+        devices.set_cpu_threads(0)

@@ -28,6 +28,7 @@ class ScriptedEngine:
     """Responses derived from the request seed; lengths alternate within a call (1, 2, 1, ...)."""
 
     lockstep = False  # one engine per rank: an idle instance is not stepped
+    cpu_threads = None  # not a CPU vLLM engine: no threads to report
 
     def __init__(self):
         self.calls: list[dict] = []
