@@ -115,6 +115,11 @@ def resident_bytes() -> int:
         return 0
 
 
+def get_cpu_threads() -> int:
+    """torch's intra-op threads on this host."""
+    return torch.get_num_threads()
+
+
 def set_cpu_threads(n: int) -> None:
     """Set torch's intra-op threads on this host. Through torch._C's setter: once a vLLM CPU
     engine is built, ``torch.set_num_threads`` is vLLM's no-op (its worker binds the threads of

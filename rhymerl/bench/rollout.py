@@ -63,8 +63,15 @@ QUESTIONS = [
 ]
 
 
+def _thread_count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 1, or 0 for the process's own (got {n})")
+    return n
+
+
 def add_threads_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=_thread_count, default=0,
                    help="intra-op threads of the engines (default 0: the process's own, all its cores unless "
                         "OMP_NUM_THREADS says otherwise, as the trainer's engine decodes with)")
 
@@ -72,18 +79,11 @@ def add_threads_flag(p: argparse.ArgumentParser) -> None:
 def engine_threads(n: int) -> int:
     """Pin the engines' intra-op threads to ``n`` (0: leave the process's own, which is what
     the trainer's in-process engine decodes with) before any engine is built; returns the count."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from rhymerl.devices import get_cpu_threads, set_cpu_threads
+
     if n:
-        from rhymerl.devices import set_cpu_threads
-
         set_cpu_threads(n)
-    return _threads()
-
-
-def _threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
+    return get_cpu_threads()
 
 
 def _prompts(model_dir, count: int, distinct: bool = False) -> list[list[int]]:
@@ -284,6 +284,8 @@ def _fill_history(w: Workload) -> None:
 
 
 def run(args) -> dict:
+    from rhymerl.devices import get_cpu_threads
+
     w = _config_workload(args) if args.config else _model_workload(args)
     temp = w.rollout.temperature
     if w.history is None and "histospec" in args.methods:
@@ -317,7 +319,7 @@ def run(args) -> dict:
             r["speedup_vs_none"] = base / r["wall_s"] if base else None
     out = {"workload": args.config or args.model, "temperature": temp, "n": w.rollout.n, "prompts": len(w.prompts),
            "max_tokens": w.rollout.max_tokens, "num_speculative_tokens": w.rollout.num_speculative_tokens,
-           "trained_epochs": args.train_epochs if args.config else 0, "threads": _threads(),
+           "trained_epochs": args.train_epochs if args.config else 0, "threads": get_cpu_threads(),
            "methods": results}
     if w.trainer is not None:
         w.trainer.close()
@@ -424,6 +426,7 @@ def run_sweep(args) -> dict:
     """none against each HistoSpec variant (``args.variants``: ``histospec[@key=value...]``)
     in every cell; the cell's top-level figures are the first variant's."""
     from rhymerl.bench.e2e import split_method
+    from rhymerl.devices import get_cpu_threads
 
     w = _config_workload(args) if args.config else _model_workload(args)
     temps = args.sweep_temperatures
@@ -471,7 +474,7 @@ def run_sweep(args) -> dict:
         cells.append({"temperature": t, "concurrency": c, **rows[labels[0]],
                       **({"variants": rows} if len(labels) > 1 else {})})
     out = {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
-           "trained_epochs": args.train_epochs if args.config else 0, "threads": _threads(),
+           "trained_epochs": args.train_epochs if args.config else 0, "threads": get_cpu_threads(),
            "repeats": args.repeats, "variants": labels, "cells": cells, **_ratio_summary([c["ratio"] for c in cells])}
     if fit is not None:
         out["none_time_fit"] = dict(zip(NONE_FIT_FIELDS, fit))
@@ -593,8 +596,6 @@ def main(argv: list[str]) -> int:
         p.error(f"--variants: {e}")
     if not args.sweep_temperatures or not args.sweep_concurrency or min(args.sweep_concurrency) < 1:
         p.error("--sweep-temperatures and --sweep-concurrency need at least one value each (concurrency >= 1)")
-    if args.threads < 0:
-        p.error("--threads must be >= 1 (0: the process's own)")
     engine_threads(args.threads)
     with quiet_stdout():
         out = run_sweep(args) if args.sweep else run(args)

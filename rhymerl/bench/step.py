@@ -129,8 +129,9 @@ VARIANTS = {
 
 
 def run(args) -> dict:
-    from rhymerl.bench.rollout import _prompts, _threads, median_run
+    from rhymerl.bench.rollout import _prompts, median_run
     from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
+    from rhymerl.devices import get_cpu_threads
     from rhymerl.histospec import HistoryStore
     from rhymerl.models import resolve_model
     from rhymerl.rollout import RolloutEngine, SamplingSpec
@@ -139,7 +140,7 @@ def run(args) -> dict:
     model_dir = resolve_model(ModelConfig(path=args.model))
     prompts = _prompts(model_dir, max(args.sizes))
     out: dict = {"model": args.model, "tokens": args.tokens, "temperature": args.temperature, "sizes": args.sizes,
-                 "repeats": args.repeats, "threads": _threads(), "variants": {}}
+                 "repeats": args.repeats, "threads": get_cpu_threads(), "variants": {}}
     engines: dict = {}
     timers: dict = {}
     hs = HistoSpecConfig()
@@ -244,9 +245,6 @@ def main(argv: list[str]) -> int:
             return 2
     if cal and len(args.sizes) < 2:
         print("rhymerl bench step: --calibrate needs two --sizes or more", file=sys.stderr)
-        return 2
-    if args.threads < 0:
-        print(f"rhymerl bench step: --threads must be >= 1, or 0 for the process's own (got {args.threads})", file=sys.stderr)
         return 2
     from rhymerl.bench.rollout import engine_threads, quiet_stdout
 

@@ -41,12 +41,6 @@ NGRAM_MIN, NGRAM_MAX = 2, 5
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
 class RolloutError(RuntimeError):
     """A rollout setup the engine cannot run; the message says what to change."""
 
@@ -416,7 +410,9 @@ class RolloutEngine:
                 self.lockstep = True
         elif tensor_parallel_size:
             kwargs["tensor_parallel_size"] = tensor_parallel_size
-        threads = _torch_threads() if self.on_cpu else None
+        from rhymerl.devices import get_cpu_threads, set_cpu_threads
+
+        threads = get_cpu_threads() if self.on_cpu else None
         self.llm = LLM(**kwargs)
         RolloutEngine._alive += 1
         # Intra-op threads the engine decodes with on a CPU host (None elsewhere). vLLM serves
@@ -425,9 +421,7 @@ class RolloutEngine:
         # threads: on a 2-core host two threads make a decode step 1.5-1.7x faster
         # (``bench step --threads``).
         self.cpu_threads = threads
-        if threads is not None and _torch_threads() != threads:
-            from rhymerl.devices import set_cpu_threads
-
+        if threads is not None and get_cpu_threads() != threads:
             set_cpu_threads(threads)
         self._engine = self.llm.llm_engine
         self._meter: Optional[_DrafterMeter] = None
@@ -660,7 +654,9 @@ class RolloutEngine:
             "drafter_calls": calls,
         }
         if self.cpu_threads is not None:
-            self._metrics["cpu_threads"] = _torch_threads()
+            from rhymerl.devices import get_cpu_threads
+
+            self._metrics["cpu_threads"] = get_cpu_threads()
         if self._core is not None:
             # HistoSpec's own figures: bypassed steps, prompts served with history, per-source
             # drafts/acceptance and the fitted step-cost model.
