@@ -290,6 +290,10 @@ class AlgorithmConfig:
     micro_batch_tokens: int = 4096
     # Optimiser steps per rollout batch (1 = strictly on-policy).
     updates_per_step: int = 1
+    # Log train/update_gain: the advantage-weighted change of the batch's own log-probs over
+    # the step's updates (> 0: probability moved towards the better-than-group responses).
+    # Costs a forward pass over the batch after the updates (and one before when on-policy).
+    log_update_gain: bool = False
 
 
 @dataclass

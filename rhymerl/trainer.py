@@ -398,6 +398,11 @@ class Trainer:
                 batch.ref_logprobs = self.ref_backend.compute_logprobs(batch.input_ids, batch.response_mask)
         if not on_policy:
             mism = logprob_mismatch(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)
+        gain_from = None
+        if self.cfg.algo.log_update_gain:
+            with torch.no_grad():
+                gain_from = batch.old_logprobs if not on_policy else \
+                    self.backend.compute_logprobs(batch.input_ids, batch.response_mask)
         out = {}
         for _ in range(self.cfg.algo.updates_per_step):
             m = self.backend.train_step(batch)
@@ -406,6 +411,12 @@ class Trainer:
             out = {"train/loss": m.loss, "train/grad_norm": m.grad_norm, "train/lr": m.lr,
                    **{f"train/{k}": v for k, v in m.extra.items()}}
         out.update({f"train/logprob_{k}": v for k, v in mism.items()})
+        if gain_from is not None:
+            from rhymerl.algorithms import update_gain
+
+            with torch.no_grad():
+                after = self.backend.compute_logprobs(batch.input_ids, batch.response_mask)
+            out["train/update_gain"] = update_gain(batch.advantages, gain_from, after, batch.response_mask)
         out["time/train_s"] = time.perf_counter() - t0
         return out
 

@@ -20,12 +20,13 @@ __all__ = [
     "shape_overlong",
     "policy_loss",
     "logprob_mismatch",
+    "update_gain",
 ]
 
 
 def __getattr__(name):
     # torch is imported only when the loss is used, so pure-logic callers stay light.
-    if name in ("policy_loss", "logprob_mismatch"):
+    if name in ("policy_loss", "logprob_mismatch", "update_gain"):
         from rhymerl.algorithms import losses
 
         return getattr(losses, name)

@@ -148,3 +148,28 @@ def logprob_mismatch(engine_logprobs: Any, trainer_logprobs: Any, mask: Any) -> 
     d = (e - t).abs()[m]
     mx, mean = torch.stack([d.max(), d.mean()]).tolist()
     return {"max_abs": mx, "mean_abs": mean, "tokens": float(m.sum().item())}
+
+
+def update_gain(advantages: Any, before: Any, after: Any, mask: Any) -> float:
+    """Advantage-weighted change of the response tokens' log-probs over an update, per token:
+    sum(mask * A * (after - before)) / sum(mask).
+
+    It does not depend on which responses the rollout happened to draw the way a reward curve
+    does: a policy-gradient step moves probability towards the responses with positive
+    advantage, so on its own batch it is > 0 to first order (exactly so for a first Adam step;
+    later steps carry momentum from earlier batches). A sign error in the advantages or the
+    loss makes it negative. ``advantages`` is per response ``[batch]`` or per token.
+    """
+    b = torch.as_tensor(before, dtype=torch.float64)
+    a = torch.as_tensor(after, dtype=torch.float64, device=b.device)
+    m = torch.as_tensor(mask, dtype=torch.float64, device=b.device)
+    adv = torch.as_tensor(advantages, dtype=torch.float64, device=b.device)
+    if adv.dim() == 1:
+        adv = adv[:, None]
+    if a.shape != b.shape or m.shape != b.shape or adv.shape[0] != b.shape[0]:
+        raise ValueError(f"before {tuple(b.shape)}, after {tuple(a.shape)}, mask {tuple(m.shape)} and "
+                         f"advantages {tuple(adv.shape)} must agree on [batch, tokens]")
+    n = m.sum()
+    if n <= 0:
+        return 0.0
+    return float((m * adv * (a - b)).sum() / n)

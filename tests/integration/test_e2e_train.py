@@ -30,7 +30,8 @@ CONFIG = REPO / "configs" / "tiny-cpu.yaml"
 SHORT_ANSWERS = ["data.tasks=[chain_sum]", "data.answer_format=final_only",
                  "data.task_args={chain_sum: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}}"]
 SMALL = ["run.epochs=2", "data.size=8", "data.prompts_per_step=4", "tracking.wandb=disabled",
-         "checkpoint.every_steps=0", "reward.workers=1", "algo.lr=1e-5", "rollout.max_tokens=24", *SHORT_ANSWERS]
+         "checkpoint.every_steps=0", "reward.workers=1", "algo.lr=1e-5", "rollout.max_tokens=24",
+         "algo.log_update_gain=true", *SHORT_ANSWERS]
 
 
 def fisher_exact_p(a: int, b: int, c: int, d: int) -> float:
@@ -71,9 +72,12 @@ def traces(out: Path) -> dict:
 
 def _check_learning_and_drafting(rows: list[dict]) -> None:
     assert [r["epoch"] for r in rows] == [0, 0, 1, 1]
-    first = rows[0]["reward/mean"]
-    late = [r["reward/mean"] for r in rows if r["epoch"] == 1]
-    assert max(late) > first, f"reward did not improve over the first step: {[r['reward/mean'] for r in rows]}"
+    # Learning, whatever the rollouts drew: each update moves its own batch's log-probs towards
+    # the responses that beat their group (a reward curve over 4 steps of 16 samples hangs on
+    # the draw: any change to sampled tokens, a drafter's included, redraws it). The first
+    # update is a plain Adam step, so its gain is > 0; later ones carry momentum, so the run's.
+    gains = [r["train/update_gain"] for r in rows]
+    assert gains[0] > 0 and sum(gains) > 0, f"updates did not favour positive advantages: {gains}"
     # Epoch 1 drafts only from in-flight siblings; epoch 2 also from epoch 1's responses.
     tpf = {e: sum(r["histospec/generated_tokens"] for r in rows if r["epoch"] == e)
            / sum(r["histospec/target_forwards"] for r in rows if r["epoch"] == e) for e in (0, 1)}
@@ -113,7 +117,8 @@ def test_two_ranks_tp2_reshards_and_drafts(tmp_path):
     # After every update the TP-sharded weights reach both engines intact: the engines'
     # log-probs of their own samples agree with the TP=2 trainer's.
     assert all(r["train/logprob_max_abs"] < 1e-3 for r in rows), [r["train/logprob_max_abs"] for r in rows]
-    assert all(r["histospec/draft_accepted"] > 0 for r in rows if r["epoch"] == 1)
+    # The random tiny model's samples rarely repeat: a single sampled step may accept no draft.
+    assert sum(r["histospec/draft_accepted"] for r in rows if r["epoch"] == 1) > 0
 
 
 def test_two_ranks_one_rollout_engine_across_both_tp2(tmp_path):

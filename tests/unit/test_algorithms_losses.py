@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from rhymerl.algorithms.losses import logprob_mismatch, policy_loss
+from rhymerl.algorithms.losses import logprob_mismatch, policy_loss, update_gain
 from rhymerl.config import AlgorithmConfig
 
 pytestmark = pytest.mark.cpu
@@ -131,3 +131,19 @@ def test_bf16_inputs_are_computed_in_fp32():
     loss.backward()
     assert lp.grad.dtype == torch.bfloat16
     torch.testing.assert_close(lp.grad.float(), torch.full((1, t), -1.0 / t), rtol=1e-2, atol=0)
+
+
+def test_update_gain_weighs_each_token_change_by_its_advantage():
+    lp, mask, adv = _batch()
+    after = lp.clone()
+    after[0, 0] += 0.3  # advantage 1.5, in the mask
+    after[1, 4] -= 0.2  # advantage -0.5, in the mask
+    after[2, 3] += 9.0  # masked out
+    n = mask.sum().item()
+    assert update_gain(adv, lp, after, mask) == pytest.approx((1.5 * 0.3 + 0.5 * 0.2) / n)
+    assert update_gain(-adv, lp, after, mask) == pytest.approx(-(1.5 * 0.3 + 0.5 * 0.2) / n)
+    per_token = adv[:, None].expand_as(lp)
+    assert update_gain(per_token, lp, after, mask) == pytest.approx(update_gain(adv, lp, after, mask))
+    assert update_gain(adv, lp, after, torch.zeros_like(mask)) == 0.0
+    with pytest.raises(ValueError, match="must agree"):
+        update_gain(adv, lp, after[:, :3], mask)

@@ -115,3 +115,23 @@ def test_debug_logits_are_at_the_sampling_temperature(one_rank, tiny_model_dir):
     lp = torch.log_softmax(logits, dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
     got = b.compute_logprobs(ids, mask)
     torch.testing.assert_close(got[:, 1:], lp * mask[:, 1:], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_one_grpo_step_moves_logprobs_towards_its_advantages(one_rank, tiny_model_dir, sign):
+    """train/update_gain's premise, on the real backend and loss: one step of the clipped
+    policy loss raises the advantage-weighted log-probs of its own batch, whichever way the
+    advantages point."""
+    from rhymerl.algorithms import update_gain
+    from rhymerl.config import AlgorithmConfig, ParallelConfig
+    from rhymerl.training.base import PolicyBatch
+    from rhymerl.training.megatron_backend import MegatronBackend
+
+    ids, mask, weights = _batch()
+    adv = sign * weights
+    b = MegatronBackend(ParallelConfig(), AlgorithmConfig(lr=1e-3), tiny_model_dir, one_rank())
+    before = b.compute_logprobs(ids, mask)
+    b.train_step(PolicyBatch(ids, mask, adv))
+    after = b.compute_logprobs(ids, mask)
+    assert update_gain(adv, before, after, mask) > 0
+    assert update_gain(-adv, before, after, mask) < 0
