@@ -22,7 +22,7 @@ def rs():
     from rhymerl.rollout import vllm_patches
 
     assert vllm_patches.apply_all() == ["cpu_rejection_expand", "idempotent_kernel_registration",
-                                        "zero_draft_plain_sampler", "recovered_noise_drafting_rows",
+                                        "zero_draft_plain_sampler", "recovered_tokens_inverse_cdf",
                                         "sampled_logprobs_without_vocab_copies"]
     return rejection_sampler
 
@@ -85,8 +85,9 @@ def _recovery_case(seeded: bool):
     return (2, num_draft, cu, drafts, None, probs, meta, torch.device("cpu")), vocab
 
 
-def test_recovered_noise_is_drawn_for_drafting_requests_only(rs):
-    """Two of four requests drafted: the global generator advances by two rows of noise, not four."""
+def test_recovered_draws_one_uniform_per_drafting_request(rs):
+    """Two of four requests drafted: the global generator advances by two uniforms, not by rows of
+    noise over the vocabulary; the tokens are never the position's draft token."""
     import torch
 
     args, vocab = _recovery_case(seeded=False)
@@ -94,18 +95,52 @@ def test_recovered_noise_is_drawn_for_drafting_requests_only(rs):
     out = rs.sample_recovered_tokens(*args)
     after = torch.rand(4)
     torch.manual_seed(0)
-    torch.empty(2, vocab).exponential_()
+    torch.rand(2, dtype=torch.float64)
     assert torch.equal(after, torch.rand(4))
-    assert out.shape == (3,) and all(0 <= t < vocab and t != d for t, d in zip(out.tolist(), [3, 7, 11]))
+    assert out.dtype == torch.int32 and out.shape == (3,)
+    assert all(0 <= t < vocab and t != d for t, d in zip(out.tolist(), [3, 7, 11]))
 
 
-def test_recovered_tokens_of_seeded_requests_are_unchanged(rs):
-    """Seeded requests draw their noise from their own generator exactly as vLLM does."""
+def test_recovered_tokens_of_seeded_requests_come_from_their_generators(rs):
+    """Seeded requests draw one uniform each from their own generator: the same seeds give the same
+    tokens, and the global generator is untouched."""
+    import torch
+
     args, _ = _recovery_case(seeded=True)
-    got = rs.sample_recovered_tokens(*args)
+    torch.manual_seed(0)
+    first = rs.sample_recovered_tokens(*args)
+    after = torch.rand(4)
+    gens = args[6].generators
+    expect = {i: torch.Generator().manual_seed(10 + i) for i in (0, 3)}
+    for i, g in expect.items():
+        torch.rand(1, dtype=torch.float64, generator=g)
+        assert torch.equal(gens[i].get_state(), g.get_state())
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(4))
     args, _ = _recovery_case(seeded=True)
-    want = rs._rhymerl_original_sample_recovered_tokens(*args)
-    assert got.tolist() == want.tolist()
+    assert rs.sample_recovered_tokens(*args).tolist() == first.tolist()
+
+
+@pytest.mark.parametrize("draft", [2, -1])
+def test_recovered_tokens_follow_the_target_without_the_draft_token(rs, draft):
+    """Many one-draft requests on one target row: each token's frequency is its probability with the
+    draft token removed and the rest renormalised (a padded draft, -1, removes nothing)."""
+    import torch
+
+    n, probs = 200_000, torch.tensor([0.05, 0.1, 0.4, 0.2, 0.0, 0.15, 0.1])
+    want = probs.clone().double()
+    if draft >= 0:
+        want[draft] = 0.0
+    want /= want.sum()
+    meta = types.SimpleNamespace(generators={})
+    torch.manual_seed(5)
+    out = rs.sample_recovered_tokens(1, [1] * n, torch.arange(1, n + 1, dtype=torch.int32),
+                                     torch.full((n,), draft, dtype=torch.int32), None, probs.expand(n, -1),
+                                     meta, torch.device("cpu"))
+    freq = torch.bincount(out.long(), minlength=len(probs)).double() / n
+    sd = (want * (1 - want) / n).sqrt()
+    assert torch.all((freq - want).abs() <= 5 * sd + 1e-12), (freq, want)
+    assert freq[4] == 0.0 and (draft < 0 or freq[draft] == 0.0)
 
 
 @pytest.mark.parametrize("method,drafts,hybrid,plain", [
