@@ -338,6 +338,7 @@ class AcceptanceTracker:
         self.prior = prior
         self.prior_weight = prior_weight
         self.request_weight = request_weight
+        self._forecast = [0.0, 0.0]  # accepted tokens, and what the model forecast for them
         self._src: dict[str, list[list[float]]] = {}  # source -> per depth [accepted, q mass]
         self._rates: dict[str, list[float]] = {}  # cache of source_rates
         self._req: dict[str, list[float]] = {}  # request -> [accepted, expected]
@@ -410,6 +411,8 @@ class AcceptanceTracker:
         tried = min(n, accepted + 1, self.MAX_DEPTH)
         expected = sum(self.survival(req, source, cond_probs[:tried])) if req in self._req else \
             sum(self.survival("", source, cond_probs[:tried]))
+        self._forecast[0] += min(accepted, tried)
+        self._forecast[1] += expected
         table = self._src.setdefault(source, [])
         while len(table) < tried:
             table.append([0.0, 0.0])
@@ -424,8 +427,15 @@ class AcceptanceTracker:
     def end(self, req: str) -> None:
         self._req.pop(req, None)
 
+    def accepted_over_forecast(self) -> float:
+        """Tokens accepted / the model's forecast for the positions verified (0 before any):
+        how far the plan's expectations are from the outcomes. The plan drafts where its
+        forecasts are high, so there they tend to run high."""
+        return self._forecast[0] / self._forecast[1] if self._forecast[1] > 0 else 0.0
+
     def state(self) -> dict:
-        return {f"acceptance_multiplier/{s}": round(self.source_rate(s), 4) for s in sorted(self._src)}
+        return {"acceptance_vs_forecast": round(self.accepted_over_forecast(), 4),
+                **{f"acceptance_multiplier/{s}": round(self.source_rate(s), 4) for s in sorted(self._src)}}
 
 
 def expected_tokens(survival: Sequence[float], k: int) -> float:

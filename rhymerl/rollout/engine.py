@@ -663,7 +663,8 @@ class RolloutEngine:
             self._metrics.update({k: v for k, v in self._core.stats().items()
                                   if k in ("steps", "steps_without_drafts", "steps_without_drafts_fraction",
                                            "history_served_fraction", "requests", "requests_with_history", "searches",
-                                           "searches_skipped", "searches_skipped_fraction", "search_us_per_request")
+                                           "searches_skipped", "searches_skipped_fraction", "search_us_per_request",
+                                           "acceptance_vs_forecast")
                                   or k.startswith(("source/", "step_cost/", "acceptance_multiplier/"))})
 
     def metrics(self) -> dict:

@@ -96,6 +96,8 @@ def test_greedy_histospec_equals_no_speculation(none_engine, hs_engine):
     # it prices steps from the prior model and times none.
     assert m["step_cost/observed_steps"] == 0 and 0.0 <= m["steps_without_drafts_fraction"] < 1.0, m
     assert m["history_served_fraction"] == 1.0 and m["source/history/drafts"] > 0, m
+    # How the plan's acceptance forecasts compare with the outcomes (replays draft near-certain tokens).
+    assert m["acceptance_vs_forecast"] > 0.5, m
     # Greedy replays of their own history draft well: every request's chain is searched; the
     # prior step cost prices a search at the configured cost.
     assert m["searches"] > 0 and m["searches_skipped_fraction"] == 0.0, m

@@ -603,3 +603,16 @@ def test_bound_is_the_expected_accepted_tokens_of_a_certain_chain():
         for req in ("r0", "r1", "unseen"):
             for n in (0, 1, 5, 17):
                 assert t.bound(req, "history", n) == t.expected_accepted(req, "history", [1.0] * n)[0]
+
+
+def test_acceptance_vs_forecast_compares_outcomes_with_the_models_own_forecasts():
+    t = AcceptanceTracker(prior=0.5, prior_weight=4.0, request_weight=4.0)
+    assert t.accepted_over_forecast() == 0.0 and t.state()["acceptance_vs_forecast"] == 0.0
+    forecast = accepted = 0.0
+    for i in range(30):
+        req, q, acc = f"r{i % 5}", [1.0, 0.5, 1.0], (0, 1, 3)[i % 3]
+        forecast += sum(t.survival(req, "history", q)[:min(3, acc + 1)])  # positions reached
+        accepted += acc
+        t.observe(req, "history", q, acc)
+    assert t.accepted_over_forecast() == pytest.approx(accepted / forecast)
+    assert t.state()["acceptance_vs_forecast"] == pytest.approx(accepted / forecast, abs=1e-4)
