@@ -10,9 +10,9 @@ enables sampled-acceptance replay; ``reward`` enables reward-aware drafting.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 from rhymerl.atomic import atomic_write_text
 from rhymerl.jsonl import iter_jsonl

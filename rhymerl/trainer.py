@@ -439,7 +439,6 @@ class Trainer:
     # ------------------------------------------------------------------ step
 
     def train_step(self) -> StepOutput:
-        cfg = self.cfg
         t_step = time.perf_counter()
         self.progress.context = f"step {self.step}"
         batch = self.sampler.next_batch()

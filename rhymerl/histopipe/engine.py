@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from rhymerl.histopipe.cost import DecodeCostModel
-from rhymerl.histopipe.scheduler import Move, Policy, Scheduler
+from rhymerl.histopipe.scheduler import Policy, Scheduler
 
 
 @dataclass

@@ -143,7 +143,7 @@ def tile(w: Workload, num_groups: int, seed: int = 0) -> Workload:
     if len(w.groups) >= num_groups:
         return w
     reps = math.ceil(num_groups / len(w.groups))
-    keys, pls, cur = [], [], []
+    keys, pls = [], []
     hist_epochs = max((len(v) for v in w.history.values()), default=0)
     epochs: list[list[np.ndarray]] = [[] for _ in range(hist_epochs + 1)]
     for rep in range(reps):
