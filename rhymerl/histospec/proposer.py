@@ -416,7 +416,11 @@ class DraftProposer:
             # repay the search) is not searched: at a high batch most requests' drafts do
             # not pay the verification, and their search is the proposer's whole cost there.
             plain_s, per_tok, per_drow = self.cost.plan_prices(len(items))
-            lam0 = len(items) / plain_s if items else 0.0
+            # A prior's costs are no surer than a fit's: its plans clear the floor too (a
+            # deterministic rule, so sampled runs still replay token for token).
+            hurdle = self.cost.hurdle(cfg.min_goodput_gain) if cfg.step_cost == "measured" else cfg.min_goodput_gain
+            # Every draft in a plan pays at a goodput of at least the hurdle's.
+            lam0 = len(items) / plain_s * (1.0 + hurdle) if items else 0.0
             free = self.cost.free_drafts(len(items))
             acc = self.acceptance
         searched, skipped, search_s = 0, 0, 0.0
@@ -464,8 +468,6 @@ class DraftProposer:
             cands.append(None if best is None else (best, cap))
         if goodput:
             surv = [[] if c is None else c[0][5] for c in cands]
-            # Prior costs plan as they always did (token-exact replays of older runs).
-            hurdle = self.cost.hurdle(cfg.min_goodput_gain) if cfg.step_cost == "measured" else 0.0
             lengths = plan_step(surv, self.cost, min_gain=cfg.min_gain, hurdle=hurdle).lengths
         else:
             lengths = [0 if c is None else len(c[0][0]) for c in cands]

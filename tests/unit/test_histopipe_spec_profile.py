@@ -13,8 +13,9 @@ def test_replay_measures_speed_by_position_and_the_proposers_cpu_time():
     trace = Path(rhymerl.bench.__file__).with_name("traces") / "smollm2-chain-sum-grpo.jsonl"
     p = spec_profile.measure(trace)
     assert p.edges[0] == 0 and len(p.tokens_per_forward) == len(p.edges)
-    # Chain-sum answers repeat across epochs: drafts are accepted, so a forward emits more than one token.
-    assert p.tokens_per_forward[0] > 1.3 and p.draft_tokens_per_forward[0] > 0
+    # Chain-sum answers repeat across epochs: drafts are accepted, so a forward emits more than
+    # one token (1.23 with the CPU prior's plans held to histospec.min_goodput_gain, 1.3 without).
+    assert p.tokens_per_forward[0] > 1.15 and p.draft_tokens_per_forward[0] > 0
     assert p.proposer_s_per_request > 0 and "per request per step" in p.source
     again = SpecProfile.from_dict(p.to_dict())
     assert again == p

@@ -329,6 +329,32 @@ def test_hurdle_drops_marginal_plans_and_keeps_clear_wins():
     assert 0.08 < fit.relative_error < 0.15  # uniform +-20%: sd 11.5%
 
 
+def test_prior_costs_clear_the_hurdle_too():
+    """With the configured (prior) costs a step drafts only where its plan beats drafting
+    nothing by min_goodput_gain, as with measured costs: a prior is no surer than a fit."""
+    def drafts(gain_floor):
+        store, cfg = _proposer(include_global=False, step_cost="prior", min_goodput_gain=gain_floor)
+        store.add_group(1, 0, [list(range(40))])
+        p = DraftProposer(store, cfg)
+        items = []
+        for i in range(32):
+            p.begin(f"r{i}", 1)
+            items.append((f"r{i}", [0, 1, 2], 8))
+        return p, [len(d.tokens) for d in p.propose_step(items)]
+
+    p, lengths = drafts(0.0)
+    assert sum(lengths) > 0
+    fixed, per_req, per_tok, _ = p.cost.coef
+    t0 = fixed + (per_req + per_tok) * 32
+    surv = p.acceptance.survival("r0", "history", [1.0] * 8)
+    e = 32 + sum(expected_tokens(surv, k) - 1.0 for k in lengths)
+    t = t0 + per_tok * p.cost.draft_scale(32) * sum(lengths)
+    gain = (e / t) / (32 / t0) - 1.0
+    assert 0.0 < gain < 0.2, gain
+    assert sum(drafts(gain * 1.05)[1]) == 0  # the plan falls short of the floor: nobody drafts
+    assert drafts(gain * 0.95)[1] == lengths  # within its reach: the same plan
+
+
 def _stretched_loop(m, survival, steps, rng):
     """2 requests with history chains of the given survival (0: no history), on a host where
     60% of steps are stretched 1-10x by other processes. Returns how many steps drafted."""
