@@ -384,7 +384,7 @@ class Trainer:
                            engine_logprobs=eng)
 
     def _train(self, samples: list[Sample], adv: np.ndarray) -> dict:
-        from rhymerl.algorithms import logprob_mismatch
+        from rhymerl.algorithms import logprob_mismatch, update_gain
         from rhymerl.training.micro_loss import engine_mismatch
 
         t0 = time.perf_counter()
@@ -396,13 +396,12 @@ class Trainer:
                 batch.old_logprobs = self.backend.compute_logprobs(batch.input_ids, batch.response_mask)
             if self.ref_backend is not None:
                 batch.ref_logprobs = self.ref_backend.compute_logprobs(batch.input_ids, batch.response_mask)
-        if not on_policy:
-            mism = logprob_mismatch(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)
-        gain_from = None
-        if self.cfg.algo.log_update_gain:
-            with torch.no_grad():
+            gain_from = None
+            if self.cfg.algo.log_update_gain:
                 gain_from = batch.old_logprobs if not on_policy else \
                     self.backend.compute_logprobs(batch.input_ids, batch.response_mask)
+        if not on_policy:
+            mism = logprob_mismatch(batch.engine_logprobs, batch.old_logprobs, batch.response_mask)
         out = {}
         for _ in range(self.cfg.algo.updates_per_step):
             m = self.backend.train_step(batch)
@@ -412,8 +411,6 @@ class Trainer:
                    **{f"train/{k}": v for k, v in m.extra.items()}}
         out.update({f"train/logprob_{k}": v for k, v in mism.items()})
         if gain_from is not None:
-            from rhymerl.algorithms import update_gain
-
             with torch.no_grad():
                 after = self.backend.compute_logprobs(batch.input_ids, batch.response_mask)
             out["train/update_gain"] = update_gain(batch.advantages, gain_from, after, batch.response_mask)

@@ -344,11 +344,10 @@ def test_prior_costs_clear_the_hurdle_too():
 
     p, lengths = drafts(0.0)
     assert sum(lengths) > 0
-    fixed, per_req, per_tok, _ = p.cost.coef
-    t0 = fixed + (per_req + per_tok) * 32
+    t0, per_tok, per_drow = p.cost.plan_prices(32)
     surv = p.acceptance.survival("r0", "history", [1.0] * 8)
     e = 32 + sum(expected_tokens(surv, k) - 1.0 for k in lengths)
-    t = t0 + per_tok * p.cost.draft_scale(32) * sum(lengths)
+    t = t0 + per_tok * sum(lengths) + per_drow * sum(1 for k in lengths if k)
     gain = (e / t) / (32 / t0) - 1.0
     assert 0.0 < gain < 0.2, gain
     assert sum(drafts(gain * 1.05)[1]) == 0  # the plan falls short of the floor: nobody drafts
