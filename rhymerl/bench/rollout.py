@@ -20,8 +20,9 @@ divides out the lengths that sampled variants happen to write); ``--quick`` caps
 tokens (and skips training) so a sweep runs in about ten minutes. Sampled runs write
 different lengths, and a closed batch pays per step for its longest response, so each cell
 also gives ``ratio_equal_lengths``: none's time for the HistoSpec run's own responses (none's
-runs of the sweep fit wall = c0 + per_step x longest + per_token x tokens) over its time.
-``--variants`` times several HistoSpec settings against the same none runs, e.g.
+runs of the sweep fit wall = c0 + per_step x longest + per_token x tokens) over its time,
+the median over the repeats (with an even count the mean of the middle two, not the better
+draw). ``--variants`` times several HistoSpec settings against the same none runs, e.g.
 ``--variants histospec,histospec@histospec.step_cost=measured``.
 Ratios are against ``none`` measured in this run; ``tokens_per_forward`` (tokens emitted per
 target forward pass of a sequence) does not depend on the hardware.
@@ -388,6 +389,17 @@ def equal_lengths_ratio(fit: tuple, run: dict) -> float:
     return none_s / run["wall_s"] if run["wall_s"] > 0 else 0.0
 
 
+def equal_lengths_ratios(fit: tuple, runs: Sequence[dict]) -> tuple[float, list]:
+    """The median of ``equal_lengths_ratio`` over a variant's repeats (with an even count, the
+    mean of the middle two: the upper one alone would report the better of two draws) and
+    every repeat's ratio, sorted."""
+    eq = sorted(equal_lengths_ratio(fit, r) for r in runs)
+    if not eq:
+        return 0.0, eq
+    mid = len(eq) // 2
+    return (eq[mid] if len(eq) % 2 else 0.5 * (eq[mid - 1] + eq[mid])), eq
+
+
 def median_run(runs: list, key: Callable[[Any], float]) -> Any:
     """The run whose ``key`` is the median (the upper one of an even count): a real run, so
     its other figures belong to it."""
@@ -468,9 +480,7 @@ def run_sweep(args) -> dict:
     for t, c, runs, rows in cells_runs:
         for label, row in rows.items():
             if fit is not None:
-                eq = sorted(equal_lengths_ratio(fit, r) for r in runs[label])
-                row["ratio_equal_lengths"] = eq[len(eq) // 2]
-                row["ratios_equal_lengths_each_repeat"] = eq
+                row["ratio_equal_lengths"], row["ratios_equal_lengths_each_repeat"] = equal_lengths_ratios(fit, runs[label])
         cells.append({"temperature": t, "concurrency": c, **rows[labels[0]],
                       **({"variants": rows} if len(labels) > 1 else {})})
     out = {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,

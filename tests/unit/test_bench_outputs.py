@@ -172,6 +172,20 @@ def test_none_time_fit_recovers_step_and_token_costs_and_prices_a_variant_at_its
     assert fit_none_time(runs[:2]) is None  # fewer runs than unknowns
 
 
+def test_sweep_median_of_two_repeats_is_their_mean_not_the_better_one():
+    from rhymerl.bench.rollout import equal_lengths_ratios
+
+    fit = (0.0, 0.0, 0.01, 0.0)  # none takes 10 ms a token
+
+    def run(ratio):
+        return {"longest_response": 100, "generated_tokens": 100, "wall_s": 1.0 / ratio}
+
+    med, each = equal_lengths_ratios(fit, [run(1.1), run(0.9)])
+    assert med == pytest.approx(1.0) and each == pytest.approx([0.9, 1.1])
+    med3, _ = equal_lengths_ratios(fit, [run(1.3), run(0.8), run(1.0)])
+    assert med3 == pytest.approx(1.0)
+
+
 def test_e2e_equal_lengths_prices_off_at_the_variant_s_own_responses():
     from rhymerl.bench.e2e import add_equal_lengths
 
