@@ -101,12 +101,13 @@ class DecodeCostModel:
     def goodput_prior(self, context_tokens: float) -> dict:
         """HistoSpec's step-cost prior (``histospec.step_cost_*``, ms) for this engine: the
         fixed cost is a step's weights read, a request adds its KV read at ``context_tokens``,
-        a scored token its matmul, the same at every batch size (no ramp: the CPU defaults'
-        ramp describes a CPU engine)."""
+        a scored token its matmul, the same at every batch size, and no cost of its own for a
+        drafting row (the CPU defaults' ramp and drafting-row cost describe a CPU engine)."""
         if not context_tokens >= 1:
             raise ValueError(f"context_tokens must be >= 1, got {context_tokens}")
         return {"step_cost_fixed_ms": round(1e3 * self.a, 3), "step_cost_per_request_ms": round(1e3 * self.c * context_tokens, 4),
-                "step_cost_per_token_ms": round(1e3 * self.b, 4), "step_cost_draft_ramp_requests": 1}
+                "step_cost_per_token_ms": round(1e3 * self.b, 4), "step_cost_per_drafting_request_ms": 0.0,
+                "step_cost_draft_ramp_requests": 1}
 
     def to_dict(self) -> dict:
         return asdict(self)
