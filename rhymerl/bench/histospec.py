@@ -535,7 +535,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--step-fixed-ms", type=float, default=55.0,
                     help="modelled engine step, which the goodput rule also plans for: fixed cost (ms); the defaults are "
                     "the earlier CPU prior, which the README's replay figures were measured with (this host's "
-                    "measured costs, the trainer's default prior: 47.7 / 3.7 / 3.7 with --step-ramp-requests 4; "
+                    "measured costs with two engine threads, the trainer's default prior: 38.94 / 1.29 / 1.444; "
                     "a GPU config's come from python -m rhymerl.histospec.roofline)")
     ap.add_argument("--step-per-request-ms", type=float, default=4.6, help="modelled engine step: cost per request (ms)")
     ap.add_argument("--step-per-token-ms", type=float, default=1.6, help="modelled engine step: cost per scored token (ms)")

@@ -14,8 +14,11 @@ def test_replay_measures_speed_by_position_and_the_proposers_cpu_time():
     p = spec_profile.measure(trace)
     assert p.edges[0] == 0 and len(p.tokens_per_forward) == len(p.edges)
     # Chain-sum answers repeat across epochs: drafts are accepted, so a forward emits more than
-    # one token (1.23 with the CPU prior's plans held to histospec.min_goodput_gain, 1.3 without).
-    assert p.tokens_per_forward[0] > 1.15 and p.draft_tokens_per_forward[0] > 0
+    # one token. The CPU prior prices a draft token at 1.44 ms whatever the batch (the
+    # one-thread prior it replaced charged 0.9 ms at one request), so this replay drafts only
+    # its surest tokens: 1.05 tokens per forward, where that prior gave 1.23. The test below
+    # replays the same trace at a GPU's prices.
+    assert p.tokens_per_forward[0] > 1.02 and p.draft_tokens_per_forward[0] > 0
     assert p.proposer_s_per_request > 0 and "per request per step" in p.source
     again = SpecProfile.from_dict(p.to_dict())
     assert again == p
