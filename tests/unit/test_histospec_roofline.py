@@ -28,7 +28,7 @@ def test_shipped_gpu_configs_price_drafts_at_the_roofline(name, shape):
     # The CPU defaults' ramp (a draft token cheaper below 4 requests) is a CPU engine's shape.
     assert cfg.histospec.step_cost_draft_ramp_requests == want["step_cost_draft_ramp_requests"] == 1
     # Likewise the CPU defaults' drafting-row cost: a GPU config states its own (none), or it
-    # would inherit 0.36 ms, five times what the roofline charges a draft token there.
+    # would inherit 0.36 ms, about nine times what the roofline charges a draft token there.
     assert cfg.histospec.step_cost_per_drafting_request_ms == want["step_cost_per_drafting_request_ms"] == 0.0
     cpu = HistoSpecConfig()
 
