@@ -532,10 +532,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-len", type=int, default=16, help="draft tokens per step the engine allows (num_speculative_tokens)")
     ap.add_argument("--verify-cost", type=float, default=0.05,
                     help="cost of one extra verified token relative to a decode step (modelled_speedup)")
+    prior = HistoSpecConfig()
     ap.add_argument("--step-fixed-ms", type=float, default=55.0,
                     help="modelled engine step, which the goodput rule also plans for: fixed cost (ms); the defaults are "
-                    "the earlier CPU prior, which the README's replay figures were measured with (this host's "
-                    "measured costs with two engine threads, the trainer's default prior: 38.94 / 1.29 / 1.444; "
+                    "the earlier CPU prior, which the README's replay figures were measured with (the trainer's "
+                    f"default prior: {prior.step_cost_fixed_ms} / {prior.step_cost_per_request_ms} / "
+                    f"{prior.step_cost_per_token_ms} with --step-ramp-requests {prior.step_cost_draft_ramp_requests}, "
+                    f"and {prior.step_cost_per_drafting_request_ms} ms a drafting row, which this replay does not model; "
                     "a GPU config's come from python -m rhymerl.histospec.roofline)")
     ap.add_argument("--step-per-request-ms", type=float, default=4.6, help="modelled engine step: cost per request (ms)")
     ap.add_argument("--step-per-token-ms", type=float, default=1.6, help="modelled engine step: cost per scored token (ms)")
@@ -576,10 +579,12 @@ def main(argv: list[str]) -> int:
         print(f"rhymerl bench histospec: the trace needs at least 2 epochs (got {sorted(epochs)})", file=sys.stderr)
         return 2
 
-    # The goodput rule plans drafts for the engine this benchmark models (its step costs).
+    # The goodput rule plans drafts for the engine this benchmark models (its step costs),
+    # which charges a drafting row nothing of its own (StepTime has no such term).
     base = dataclasses.replace(HistoSpecConfig(), step_cost_fixed_ms=args.step_fixed_ms,
                                step_cost_per_request_ms=args.step_per_request_ms,
                                step_cost_per_token_ms=args.step_per_token_ms,
+                               step_cost_per_drafting_request_ms=0.0,
                                step_cost_free_tokens=args.step_free_tokens,
                                step_cost_draft_ramp_requests=args.step_ramp_requests)
     # The main rows use the settings this benchmark selects (see the min_match and
