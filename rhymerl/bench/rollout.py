@@ -39,6 +39,7 @@ import contextlib
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -394,10 +395,7 @@ def equal_lengths_ratios(fit: tuple, runs: Sequence[dict]) -> tuple[float, list]
     mean of the middle two: the upper one alone would report the better of two draws) and
     every repeat's ratio, sorted."""
     eq = sorted(equal_lengths_ratio(fit, r) for r in runs)
-    if not eq:
-        return 0.0, eq
-    mid = len(eq) // 2
-    return (eq[mid] if len(eq) % 2 else 0.5 * (eq[mid - 1] + eq[mid])), eq
+    return (statistics.median(eq) if eq else 0.0), eq
 
 
 def median_run(runs: list, key: Callable[[Any], float]) -> Any:
