@@ -74,13 +74,16 @@ def test_save_load_roundtrip_gives_identical_drafts(tmp_path):
     for k in s.keys():
         assert t.lengths(k) == s.lengths(k) and t.epochs(k) == s.epochs(k)
         assert t.responses(k) == s.responses(k)
-    c = cfg(start_after=0, min_match=1)
+    # Drafts priced as a GPU's (cheap beside a step), so the plan follows the stored path
+    # wherever it leads, whatever the CPU prior's prices.
+    c = cfg(start_after=0, min_match=1, step_cost_fixed_ms=10.0, step_cost_per_request_ms=0.1,
+            step_cost_per_token_ms=0.01, step_cost_per_drafting_request_ms=0.0)
     drafts = []
     for store in (s, t):
         p = DraftProposer(store, c)
         p.begin("r", 11)
         drafts.append(p.propose("r", [1, 2, 3], 8))
-    assert drafts[0] == drafts[1] and drafts[0].tokens[:3] == [4, 5, 6]
+    assert drafts[0] == drafts[1] and drafts[0].tokens[:4] == [4, 5, 6, 7]
     assert HistoryStore.from_bytes(s.to_bytes(), s.cfg).to_bytes() == s.to_bytes()
 
 
