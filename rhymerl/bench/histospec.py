@@ -657,6 +657,10 @@ def main(argv: list[str]) -> int:
         srcs["all"] = hs("all")
         ablations["sources"] = srcs
         ablations["epochs_kept"] = {f"epochs_kept_{k}": hs(f"ek{k}", epochs_kept=k) for k in (1, 2, 3, 4)}
+        # SuffixDecoding ties a draft's length to its match's (max_spec_factor 1); whether that
+        # pays depends on a draft token's price (--step-per-token-ms).
+        ablations["match_length_factor"] = {f"match_length_factor_{f:g}": hs(f"mlf{f:g}", match_length_factor=f)
+                                            for f in (0.0, 1.0, 2.0)}
         ablations["draft_rule_goodput_vs_adaptive"] = {
             "goodput": hs("gp"), "adaptive": hs("ad", draft_rule="adaptive")}
         cold = {}

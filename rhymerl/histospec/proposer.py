@@ -16,10 +16,11 @@ Matching follows the released HistoSpec: the longest suffix of the last
 long; if that match yields no draft, back off to shorter matches (down to
 ``min_match``). A chain follows the preferred child at each step (most frequent, or
 reward-weighted) and stops when the running path probability drops below
-``min_prob``, at the end of a response, or at the length chosen by the draft-length
-rule. A tree keeps that chain as its spine and spends the rest of the node budget on
-the most probable side branches (best-first on path probability, ``tree_topk``
-children per node).
+``min_prob``, at the end of a response, at the length chosen by the draft-length
+rule, or (``match_length_factor`` > 0) at that factor times the match length. A tree
+keeps that chain as its spine and spends the rest of the node budget on the most
+probable side branches (best-first on path probability, ``tree_topk`` children per
+node).
 
 Draft-length rules (``draft_rule``), all capped by ``max_draft`` and the engine's
 ``max_len``:
@@ -528,6 +529,9 @@ class DraftProposer:
         cfg = self.cfg
         sam = m.sam
         v, length = m.state, m.length
+        if cfg.match_length_factor > 0:
+            cap = max(1, int(cfg.match_length_factor * length + 1e-9))
+            limit, conf_limit = min(limit, cap), min(conf_limit, cap)
         if (view := _compiled(sam, self._reward)) is not None:
             got = _samc.chain(view, v, length, cfg.min_match, limit, conf_limit, cfg.min_prob, cfg.adaptive_conf)
         else:

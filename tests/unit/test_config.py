@@ -30,6 +30,7 @@ def test_override_types_and_paths():
     ("rollout.speculative=eagle", "allowed values"),
     ("rollout.n=2.5", "rollout.n"),
     ("histospec.tree=maybe", "histospec.tree"),
+    ("histospec.match_length_factor=-1", "histospec.match_length_factor"),
     ("algo.name=grpo", None),
 ])
 def test_bad_overrides_name_the_key(override, needle):

@@ -34,6 +34,19 @@ def test_chain_copies_history_continuation():
     assert p.propose("a", r[:28], 8).tokens == r[28:]  # stops at the end of the response
 
 
+def test_match_length_factor_caps_a_chain_at_that_multiple_of_its_match():
+    r = list(range(10, 40))
+    for factor, want in ((0.0, 8), (1.0, 2), (1.5, 3), (0.2, 1)):
+        p = proposer([r], match_length_factor=factor)
+        p.begin("a", 1)
+        # Only "15 16" matches: a match of 2 tokens.
+        assert p.propose("a", [99, 98, 15, 16], 8).tokens == r[7:7 + want], factor
+    p = proposer([r], match_length_factor=1.0)
+    p.begin("a", 1)
+    # Behind the response-start marker the whole prefix matches: 6 tokens, so 6 drafted.
+    assert p.propose("a", r[:5], 8).tokens == r[5:11]
+
+
 def test_no_match_unknown_prompt_and_start_after_give_empty_drafts():
     p = proposer([[1, 2, 3, 4, 5, 6]], min_match=2, start_after=3)
     p.begin("a", 1)
