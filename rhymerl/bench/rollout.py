@@ -14,15 +14,17 @@ Two workloads:
 
 ``--sweep`` times none and HistoSpec over temperature {0, 0.7, 1.0} x concurrent requests
 {1, 8, 32, 64} with the same history and prints HistoSpec's wall-time ratio to none in every
-cell (``--sweep-temperatures`` / ``--sweep-concurrency`` pick a subset); each cell runs
+cell (``--sweep-temperatures`` / ``--sweep-concurrency`` pick a subset). A cell writes at
+least ``--sweep-min-requests`` responses (8: two groups) in closed batches of its concurrency,
+so the 1-request cell times eight responses one after another, not one. Each cell runs
 ``--repeats`` times per method, interleaved, and keeps the median (``ratio_per_token``
 divides out the lengths that sampled variants happen to write); ``--quick`` caps the
-tokens (and skips training) so a sweep runs in about ten minutes. Sampled runs write
-different lengths, and a closed batch pays per step for its longest response, so each cell
-also gives ``ratio_equal_lengths``: none's time for the HistoSpec run's own responses (none's
-runs of the sweep fit wall = c0 + per_step x longest + per_token x tokens) over its time,
-the median over the repeats (with an even count the mean of the middle two, not the better
-draw). ``--variants`` times several HistoSpec settings against the same none runs, e.g.
+tokens (and skips training) so a sweep takes minutes. Sampled runs write different lengths,
+and a closed batch pays per step for its longest response, so each cell also gives
+``ratio_equal_lengths``: none's time for the HistoSpec run's own responses (none's runs of the
+sweep fit wall = c0 x batches + per_step x each batch's longest + per_token x tokens) over its
+time, the median over the repeats (with an even count the mean of the middle two, not the
+better draw). ``--variants`` times several HistoSpec settings against the same none runs, e.g.
 ``--variants histospec,histospec@histospec.step_cost=measured``.
 Ratios are against ``none`` measured in this run; ``tokens_per_forward`` (tokens emitted per
 target forward pass of a sequence) does not depend on the hardware.
@@ -48,6 +50,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 METHODS = ("none", "ngram", "suffix", "histospec")
 SWEEP_TEMPERATURES = (0.0, 0.7, 1.0)
 SWEEP_CONCURRENCY = (1, 8, 32, 64)
+# Responses a sweep cell writes at least: two GRPO groups, so a cell of one request in flight
+# is not one sampled length's lottery.
+SWEEP_MIN_REQUESTS = 8
 
 QUESTIONS = [
     "What is 17 + 25? Explain step by step.",
@@ -249,13 +254,38 @@ def _epoch(eng, w: Workload, temperature: float, seed_offset: int, record: bool 
                           max_tokens=w.rollout.max_tokens, seed=w.seed + seed_offset + 100_000 * s)
         eng.generate(chunk, w.rollout.n, sp, group_ids=[f"{s}:{g}" for g in range(len(chunk))], epoch=1,
                      record_history=record)
-        for k, v in eng.metrics().items():
-            if isinstance(v, (int, float)):
-                tot[k] = tot.get(k, 0) + v
+        accumulate(tot, eng.metrics())
     return _derived(tot)
 
 
+# Per-call engine figures that add up over calls; every other number (fractions, the fitted
+# step-cost model, thread counts) is a state or a ratio: the last call's stands, and the
+# ratios are recomputed from the sums (``_derived``).
+_ADDITIVE = frozenset(("responses", "generated_tokens", "draft_proposed", "draft_accepted", "drafts", "target_forwards",
+                       "engine_steps", "wall_s", "draft_time_s", "drafter_calls", "steps", "steps_without_drafts",
+                       "requests", "requests_with_history", "searches", "searches_skipped"))
+
+
+def accumulate(tot: dict, metrics: dict) -> dict:
+    """Add one generate() call's ``metrics`` into ``tot``: counts and times summed, the rest
+    (fractions, fitted costs) replaced by the latest call's."""
+    for k, v in metrics.items():
+        if not isinstance(v, (int, float)):
+            continue
+        if k in _ADDITIVE or (k.startswith("source/") and k.rsplit("/", 1)[-1] in ("drafts", "proposed", "accepted")):
+            tot[k] = tot.get(k, 0) + v
+        else:
+            tot[k] = v
+    return tot
+
+
 def _derived(t: dict) -> dict:
+    for frac, num, den in (("steps_without_drafts_fraction", "steps_without_drafts", "steps"),
+                           ("history_served_fraction", "requests_with_history", "requests")):
+        if num in t and den in t:
+            t[frac] = t[num] / max(1, t[den])
+    if "searches" in t and "searches_skipped" in t:
+        t["searches_skipped_fraction"] = t["searches_skipped"] / max(1, t["searches"] + t["searches_skipped"])
     fwd, gen, prop = t.get("target_forwards", 0), t.get("generated_tokens", 0), t.get("draft_proposed", 0)
     t["tokens_per_forward"] = gen / fwd if fwd else 0.0
     t["acceptance_rate"] = t.get("draft_accepted", 0) / prop if prop else 0.0
@@ -334,17 +364,37 @@ def _cell_requests(w: Workload, c: int) -> list[tuple[int, list[int]]]:
     return [(j // n, w.prompts[(j // n) % len(w.prompts)]) for j in range(c)]
 
 
-def _cell(eng, w: Workload, temperature: float, c: int, rep: int = 0) -> dict:
+def _cell_waves(w: Workload, c: int, min_requests: int) -> list[list[tuple[int, list[int]]]]:
+    """A cell's requests, ``max(c, min_requests)`` of them, in closed batches of ``c``: a cell of
+    one request in flight times several responses one after another, so its ratio is not
+    one sampled length's."""
+    reqs = _cell_requests(w, max(c, min_requests))
+    return [reqs[i:i + c] for i in range(0, len(reqs), c)]
+
+
+def _cell(eng, w: Workload, temperature: float, c: int, rep: int = 0, min_requests: int = 1) -> dict:
     from rhymerl.rollout import SamplingSpec
 
-    reqs = _cell_requests(w, c)
-    sp = SamplingSpec(temperature=temperature, top_p=w.rollout.top_p, top_k=w.rollout.top_k,
-                      max_tokens=w.rollout.max_tokens, seed=w.seed + 7919 * c + 104_729 * rep)
-    res = eng.generate([p for _, p in reqs], 1, sp, group_ids=[f"sweep:{g}" for g, _ in reqs], epoch=1,
-                       record_history=False)
-    out = _derived({k: v for k, v in eng.metrics().items() if isinstance(v, (int, float))})
-    out["longest_response"] = max((len(t) for r in res for t in r.token_ids), default=0)
+    tot: dict = {}
+    longest = []
+    for k, wave in enumerate(_cell_waves(w, c, min_requests)):
+        sp = SamplingSpec(temperature=temperature, top_p=w.rollout.top_p, top_k=w.rollout.top_k,
+                          max_tokens=w.rollout.max_tokens, seed=w.seed + 7919 * c + 104_729 * rep + 1_299_709 * k)
+        res = eng.generate([p for _, p in wave], 1, sp, group_ids=[f"sweep:{g}" for g, _ in wave], epoch=1,
+                           record_history=False)
+        accumulate(tot, eng.metrics())
+        longest.append(max((len(t) for r in res for t in r.token_ids), default=0))
+    out = _derived(tot)
+    out["batches"] = len(longest)
+    out["longest_response"] = max(longest, default=0)
+    out["sum_of_batch_longest"] = sum(longest)
     return out
+
+
+def _closed_batches(run: dict) -> tuple[float, float]:
+    """(closed batches, sum of each batch's longest response) of a run: one batch unless the
+    run says otherwise (a sweep cell of waves)."""
+    return float(run.get("batches", 1)), float(run.get("sum_of_batch_longest", run["longest_response"]))
 
 
 def fit_none_time(runs: Sequence[dict]) -> Optional[tuple[float, float, float, float]]:
@@ -352,11 +402,12 @@ def fit_none_time(runs: Sequence[dict]) -> Optional[tuple[float, float, float, f
     per_token * generated over no-speculation runs of closed batches: without speculation a
     batch decodes one token per running request per step, so its steps number its longest
     response and sum(step cost = fixed + per_request * running) = fixed * longest +
-    per_request * generated. Fitted in relative error (weights 1/wall^2); None with fewer
-    runs than unknowns."""
+    per_request * generated. A run of several closed batches one after another (``batches``,
+    ``sum_of_batch_longest``) pays c0 per batch and per_step for each batch's longest.
+    Fitted in relative error (weights 1/wall^2); None with fewer runs than unknowns."""
     import numpy as np
 
-    rows = [(1.0, float(r["longest_response"]), float(r["generated_tokens"]), float(r["wall_s"]))
+    rows = [(*_closed_batches(r), float(r["generated_tokens"]), float(r["wall_s"]))
             for r in runs if r.get("wall_s", 0) > 0 and r.get("longest_response", 0) > 0]
     if len(rows) < 3:
         return None
@@ -370,15 +421,16 @@ def fit_none_time(runs: Sequence[dict]) -> Optional[tuple[float, float, float, f
 NONE_FIT_FIELDS = ("c0_s", "per_step_s", "per_token_s", "relative_rms_error")
 
 
-def none_time_s(fit: tuple, longest: float, tokens: float) -> float:
-    """None's fitted time (``fit_none_time``) for a closed batch of these lengths."""
+def none_time_s(fit: tuple, longest: float, tokens: float, batches: float = 1.0) -> float:
+    """None's fitted time (``fit_none_time``) for ``batches`` closed batches whose longest
+    responses sum to ``longest`` and which write ``tokens`` in all."""
     c0, per_step, per_token, _ = fit
-    return c0 + per_step * longest + per_token * tokens
+    return c0 * batches + per_step * longest + per_token * tokens
 
 
 def describe_none_fit(fit: dict, fitted_on: str) -> str:
     """One line for a table: the fit (``NONE_FIT_FIELDS``) and its error."""
-    return (f"{fit['c0_s']:.3f} s + {1e3 * fit['per_step_s']:.1f} ms x longest + {1e3 * fit['per_token_s']:.2f} ms"
+    return (f"{fit['c0_s']:.3f} s a batch + {1e3 * fit['per_step_s']:.1f} ms x longest + {1e3 * fit['per_token_s']:.2f} ms"
             f" x tokens (fitted on {fitted_on}, {100 * fit['relative_rms_error']:.0f}% rms error)")
 
 
@@ -386,7 +438,8 @@ def equal_lengths_ratio(fit: tuple, run: dict) -> float:
     """What none would take to write exactly ``run``'s responses (``fit_none_time``) over the
     time ``run`` took: sampled variants write different lengths, and a longer tail costs a
     closed batch more steps whatever the drafter."""
-    none_s = none_time_s(fit, run["longest_response"], run["generated_tokens"])
+    batches, longest = _closed_batches(run)
+    none_s = none_time_s(fit, longest, run["generated_tokens"], batches)
     return none_s / run["wall_s"] if run["wall_s"] > 0 else 0.0
 
 
@@ -427,6 +480,11 @@ def _variant_row(runs: dict, label: str) -> dict:
             **{k: x for k, x in v.items() if k.startswith("step_cost/")}}
 
 
+# What a sweep's JSON keeps of each run: enough to redo its equal-lengths figure.
+RUN_FIELDS = ("wall_s", "batches", "longest_response", "sum_of_batch_longest", "generated_tokens", "tokens_per_forward",
+              "engine_steps")
+
+
 def _ratio_summary(ratios: list) -> dict:
     return {"min_ratio": min(ratios) if ratios else None,
             "geomean_ratio": math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None}
@@ -460,7 +518,7 @@ def run_sweep(args) -> dict:
                 for rep in range(args.repeats):
                     order = list(engines) if rep % 2 == 0 else list(reversed(list(engines)))
                     for m in order:
-                        runs[m].append(_cell(engines[m], w, t, c, rep))
+                        runs[m].append(_cell(engines[m], w, t, c, rep, args.sweep_min_requests))
                 rows = {label: _variant_row(runs, label) for label in labels}
                 cells_runs.append((t, c, runs, rows))
                 print(f"[sweep] T={t} c={c}: " + "; ".join(
@@ -480,10 +538,11 @@ def run_sweep(args) -> dict:
             if fit is not None:
                 row["ratio_equal_lengths"], row["ratios_equal_lengths_each_repeat"] = equal_lengths_ratios(fit, runs[label])
         cells.append({"temperature": t, "concurrency": c, **rows[labels[0]],
-                      **({"variants": rows} if len(labels) > 1 else {})})
+                      **({"variants": rows} if len(labels) > 1 else {}),
+                      "runs": {m: [{k: r.get(k) for k in RUN_FIELDS} for r in rs] for m, rs in runs.items()}})
     out = {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
            "trained_epochs": args.train_epochs if args.config else 0, "threads": get_cpu_threads(),
-           "repeats": args.repeats, "variants": labels, "cells": cells, **_ratio_summary([c["ratio"] for c in cells])}
+           "repeats": args.repeats, "min_requests": args.sweep_min_requests, "variants": labels, "cells": cells, **_ratio_summary([c["ratio"] for c in cells])}
     if fit is not None:
         out["none_time_fit"] = dict(zip(NONE_FIT_FIELDS, fit))
         out["equal_lengths"] = _ratio_summary([c["ratio_equal_lengths"] for c in cells])
@@ -504,7 +563,8 @@ def _sweep_table(out: dict) -> str:
     eq = "equal_lengths" in out
     lines = [f"rollout sweep: {out['workload']} n={out['n']} max_tokens={out['max_tokens']} "
              f"trained epochs={out['trained_epochs']}: HistoSpec wall-time ratio to none (tokens per forward)"
-             + (" [at equal lengths]" if eq else "") + f", median of {out.get('repeats', 1)}"]
+             + (" [at equal lengths]" if eq else "") + f", median of {out.get('repeats', 1)}"
+             + (f", at least {out['min_requests']} responses a cell" if out.get("min_requests", 1) > 1 else "")]
     if eq:
         lines.append("equal lengths: none's time for the same responses, "
                      + describe_none_fit(out["none_time_fit"], "none's runs"))
@@ -563,6 +623,9 @@ def main(argv: list[str]) -> int:
                    help="--sweep: comma-separated temperatures")
     p.add_argument("--sweep-concurrency", default=",".join(str(c) for c in SWEEP_CONCURRENCY),
                    help="--sweep: comma-separated numbers of concurrent requests")
+    p.add_argument("--sweep-min-requests", type=int, default=SWEEP_MIN_REQUESTS,
+                   help="--sweep: requests each cell writes at least, in closed batches of its concurrency "
+                        "(a 1-request cell writes this many responses one after another)")
     p.add_argument("--variants", default="histospec",
                    help="--sweep: comma-separated HistoSpec variants timed against none in the same cells, "
                         "each histospec[@key=value...] (rollout.* / histospec.* keys), e.g. "
@@ -591,6 +654,8 @@ def main(argv: list[str]) -> int:
         p.error(f"--sweep-temperatures / --sweep-concurrency: {e}")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.sweep_min_requests < 1:
+        p.error("--sweep-min-requests must be >= 1")
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not args.variants or any(split_method(v)[0] != "histospec" for v in args.variants):
         p.error("--variants: one or more histospec[@key=value...] specs")

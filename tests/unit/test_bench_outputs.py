@@ -266,3 +266,57 @@ def test_step_calibration_refuses_steps_that_cannot_identify_the_costs():
     # A draft token dearer than a row: the model cannot say so; the clamp is reported.
     rows = [StepRow(r, d, min(r, d), 0.05 + 0.001 * r + 0.004 * d) for r in (1, 2, 4, 8) for d in (0, 1, 2, 4)]
     assert "per_request clamped to 0" in fit_step_costs(rows)["notes"][0]
+
+
+def test_sweep_cell_of_one_request_writes_two_groups_one_response_at_a_time():
+    from rhymerl.bench.rollout import Workload, _cell_waves
+    from rhymerl.config import HistoSpecConfig, RolloutConfig
+
+    w = Workload(None, [[1], [2], [3]], RolloutConfig(n=4), HistoSpecConfig(), 0, 8)
+    waves = _cell_waves(w, 1, 8)
+    assert [len(x) for x in waves] == [1] * 8
+    assert [g for x in waves for g, _ in x] == [0] * 4 + [1] * 4 and waves[4][0][1] == [2]
+    assert [len(x) for x in _cell_waves(w, 8, 8)] == [8]
+    assert [len(x) for x in _cell_waves(w, 32, 8)] == [32]
+    assert [len(x) for x in _cell_waves(w, 3, 8)] == [3, 3, 2]
+
+
+def test_none_time_fit_charges_the_fixed_cost_once_per_closed_batch():
+    from rhymerl.bench.rollout import equal_lengths_ratio, fit_none_time
+
+    def none_run(batches, longest_sum, tokens):
+        return {"batches": batches, "longest_response": longest_sum, "sum_of_batch_longest": longest_sum,
+                "generated_tokens": tokens, "wall_s": 0.5 * batches + 0.05 * longest_sum + 0.004 * tokens}
+
+    runs = [none_run(1, 300, 900), none_run(8, 480, 480), none_run(1, 512, 4000), none_run(8, 1200, 1200)]
+    c0, per_step, per_token, err = fit_none_time(runs)
+    assert (c0, per_step, per_token) == pytest.approx((0.5, 0.05, 0.004), rel=1e-6) and err < 1e-9
+    # Eight responses one after another whose longest is 200 tokens: none pays 8 batches and
+    # the 8 batches' own longest, not 8 x 200.
+    variant = {"batches": 8, "longest_response": 200, "sum_of_batch_longest": 800, "generated_tokens": 800}
+    variant["wall_s"] = (0.5 * 8 + 0.05 * 800 + 0.004 * 800) / 1.5
+    assert equal_lengths_ratio((c0, per_step, per_token, err), variant) == pytest.approx(1.5)
+
+
+def test_engine_figures_over_several_calls_sum_counts_and_recompute_fractions():
+    from rhymerl.bench.rollout import _derived, accumulate
+
+    calls = [{"generated_tokens": 100, "target_forwards": 50, "draft_proposed": 80, "draft_accepted": 50,
+              "wall_s": 2.0, "engine_steps": 40, "steps": 40, "steps_without_drafts": 10,
+              "steps_without_drafts_fraction": 0.25, "requests": 4, "requests_with_history": 4,
+              "history_served_fraction": 1.0, "source/history/accepted": 30, "step_cost/fixed_ms": 38.9,
+              "method": "histospec"},
+             {"generated_tokens": 60, "target_forwards": 50, "draft_proposed": 20, "draft_accepted": 10,
+              "wall_s": 2.0, "engine_steps": 50, "steps": 50, "steps_without_drafts": 50,
+              "steps_without_drafts_fraction": 1.0, "requests": 4, "requests_with_history": 0,
+              "history_served_fraction": 0.0, "source/history/accepted": 5, "step_cost/fixed_ms": 41.0,
+              "method": "histospec"}]
+    tot: dict = {}
+    for m in calls:
+        accumulate(tot, m)
+    t = _derived(tot)
+    assert t["generated_tokens"] == 160 and t["target_forwards"] == 100 and t["tokens_per_forward"] == 1.6
+    assert t["acceptance_rate"] == pytest.approx(0.6) and t["source/history/accepted"] == 35
+    assert t["steps_without_drafts_fraction"] == pytest.approx(60 / 90)
+    assert t["history_served_fraction"] == pytest.approx(0.5)
+    assert t["step_cost/fixed_ms"] == 41.0 and "method" not in t  # a state: the latest call's
