@@ -330,12 +330,13 @@ class StepTime:
     """Modelled engine step time (seconds): the goodput rule's own step-cost model held at
     these costs (``goodput.StepCostModel.predict``), so the replay's clock and the plans
     priced against it are one formula. Draft tokens beyond ``free_tokens`` scored tokens are
-    charged, each at ``goodput.draft_price_scale`` of the per-token price."""
-    fixed: float = 0.055
-    per_request: float = 0.0046
-    per_token: float = 0.0016
-    free_tokens: int = 0
-    ramp_requests: int = 1
+    charged, each at ``goodput.draft_price_scale`` of the per-token price. The defaults are the
+    trainer's prior (``HistoSpecConfig.step_cost_*``), without its drafting-row term."""
+    fixed: float = HistoSpecConfig.step_cost_fixed_ms * 1e-3
+    per_request: float = HistoSpecConfig.step_cost_per_request_ms * 1e-3
+    per_token: float = HistoSpecConfig.step_cost_per_token_ms * 1e-3
+    free_tokens: int = HistoSpecConfig.step_cost_free_tokens
+    ramp_requests: int = HistoSpecConfig.step_cost_draft_ramp_requests
 
     def __post_init__(self) -> None:
         self._model = StepCostModel(self.fixed, self.per_request, self.per_token, free_tokens=self.free_tokens,
@@ -533,18 +534,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--verify-cost", type=float, default=0.05,
                     help="cost of one extra verified token relative to a decode step (modelled_speedup)")
     prior = HistoSpecConfig()
-    ap.add_argument("--step-fixed-ms", type=float, default=55.0,
-                    help="modelled engine step, which the goodput rule also plans for: fixed cost (ms); the defaults are "
-                    "the earlier CPU prior, which the README's replay figures were measured with (the trainer's "
-                    f"default prior: {prior.step_cost_fixed_ms} / {prior.step_cost_per_request_ms} / "
-                    f"{prior.step_cost_per_token_ms} with --step-ramp-requests {prior.step_cost_draft_ramp_requests}, "
-                    f"and {prior.step_cost_per_drafting_request_ms} ms a drafting row, which this replay does not model; "
-                    "a GPU config's come from python -m rhymerl.histospec.roofline)")
-    ap.add_argument("--step-per-request-ms", type=float, default=4.6, help="modelled engine step: cost per request (ms)")
-    ap.add_argument("--step-per-token-ms", type=float, default=1.6, help="modelled engine step: cost per scored token (ms)")
-    ap.add_argument("--step-free-tokens", type=int, default=0,
+    ap.add_argument("--step-fixed-ms", type=float, default=prior.step_cost_fixed_ms,
+                    help="modelled engine step, which the goodput rule also plans for: fixed cost (ms); the "
+                    "--step-* defaults are the trainer's prior (HistoSpecConfig's step_cost_*), except that this "
+                    f"replay does not charge a drafting row its {prior.step_cost_per_drafting_request_ms} ms; a GPU "
+                    "config's come from python -m rhymerl.histospec.roofline")
+    ap.add_argument("--step-per-request-ms", type=float, default=prior.step_cost_per_request_ms,
+                    help="modelled engine step: cost per request (ms)")
+    ap.add_argument("--step-per-token-ms", type=float, default=prior.step_cost_per_token_ms,
+                    help="modelled engine step: cost per scored token (ms)")
+    ap.add_argument("--step-free-tokens", type=int, default=prior.step_cost_free_tokens,
                     help="modelled engine step: scored tokens per step whose drafts cost nothing extra")
-    ap.add_argument("--step-ramp-requests", type=int, default=1,
+    ap.add_argument("--step-ramp-requests", type=int, default=prior.step_cost_draft_ramp_requests,
                     help="modelled engine step: a draft token costs min(1, R / this) of the per-token cost at R requests")
     ap.add_argument("--tree-nodes", type=int, default=32, help="node budget of histospec_tree")
     ap.add_argument("--ablations", choices=["none", "quick", "full"], default="quick")
@@ -667,8 +668,10 @@ def main(argv: list[str]) -> int:
         for sib in (True, False):
             cfg = dataclasses.replace(chain_cfg, include_siblings=sib)
             cold[f"histospec_chain, include_siblings={sib}"] = _finish(
-                simulate(HistoSpecMethod(cfg, "cold"), epochs, args.max_len, cold=True), args.verify_cost)
-        cold["suffix"] = _finish(simulate(_suffix_method(args.max_len), epochs, args.max_len, cold=True), args.verify_cost)
+                simulate(HistoSpecMethod(cfg, "cold"), epochs, args.max_len, cold=True, step_time=step_time),
+                args.verify_cost)
+        cold["suffix"] = _finish(simulate(_suffix_method(args.max_len), epochs, args.max_len, cold=True,
+                                          step_time=step_time), args.verify_cost)
         ablations["cold_start_first_epoch"] = cold
         ablations["ngram_params"] = {"ngram[5,5] (vLLM default)": run(NgramMethod(5, 5))}
         # What the text allows: the best continuation, picked knowing the answer, of the last

@@ -88,15 +88,25 @@ def test_bench_reads_trace_files(capsys, tmp_path):
 
 def test_real_smollm2_trace_ordering():
     """On a real GRPO trace of the embedded default (SmolLM2-135M, 4 epochs of chain sums,
-    written by `rhymerl train` as traces.jsonl) the drafting methods rank as designed."""
+    written by `rhymerl train` as traces.jsonl) the drafting methods rank as designed, with
+    drafts priced as the 7B GPU config prices them (at the CPU prior's prices a draft token
+    costs more than a row, so HistoSpec's goodput rule drafts less than suffix, which does not
+    price its drafts)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
+    from rhymerl.config import load_config
+
     repo = Path(__file__).resolve().parents[2]
+    h = load_config(repo / "configs/qwen2.5-7b-dapo-math-8xh100.yaml", []).histospec
+    prices = ["--step-fixed-ms", str(h.step_cost_fixed_ms), "--step-per-request-ms", str(h.step_cost_per_request_ms),
+              "--step-per-token-ms", str(h.step_cost_per_token_ms),
+              "--step-ramp-requests", str(h.step_cost_draft_ramp_requests)]
     res = subprocess.run([sys.executable, "-m", "rhymerl", "bench", "histospec", "--json", "--no-forward-timing",
-                          "--ablations", "none", "--trace", str(repo / "rhymerl/bench/traces/smollm2-chain-sum-grpo.jsonl")],
+                          "--ablations", "none", *prices,
+                          "--trace", str(repo / "rhymerl/bench/traces/smollm2-chain-sum-grpo.jsonl")],
                          capture_output=True, text=True, cwd=repo, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     m = {k: v["tokens_per_forward"] for k, v in json.loads(res.stdout)["methods"].items()}
