@@ -26,6 +26,7 @@ import torch
 from rhymerl.collectives import WorldComm
 from rhymerl.config import RunConfig, fingerprint, to_dict
 from rhymerl.data import EpochSampler, PromptRecord, few_shot_pool, load_records, render_prompt
+from rhymerl.histospec.proposer import STAT_COUNTS, add_stat_fractions
 
 log = logging.getLogger("rhymerl.trainer")
 
@@ -524,7 +525,7 @@ class Trainer:
 _ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "rollout/responses", "rollout/generated_tokens",
                       "histospec/source/")
 _ADDITIVE_SPEC = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s",
-                  "requests", "requests_with_history", "steps", "steps_without_drafts", "searches", "searches_skipped")
+                  *STAT_COUNTS)
 
 
 def merge_round_metrics(into: dict, extra: dict, rounds: int) -> None:
@@ -547,13 +548,7 @@ def merge_round_metrics(into: dict, extra: dict, rounds: int) -> None:
 def _sum_engine_metrics(ms: list[dict]) -> dict:
     keys = _ADDITIVE_SPEC
     tot = {k: float(sum(m.get(k, 0) for m in ms)) for k in keys}
-    out = dict(tot)
-    # Requests whose prompt had history; engine steps in which nobody drafted.
-    out["history_served_fraction"] = tot["requests_with_history"] / tot["requests"] if tot["requests"] else 0.0
-    out["steps_without_drafts_fraction"] = tot["steps_without_drafts"] / tot["steps"] if tot["steps"] else 0.0
-    # Request-steps whose chain search was skipped (no draft of theirs could pay).
-    looked = tot["searches"] + tot["searches_skipped"]
-    out["searches_skipped_fraction"] = tot["searches_skipped"] / looked if looked else 0.0
+    out = add_stat_fractions(dict(tot))
     # Drafts, proposed and accepted tokens by draft source, summed over instances.
     for k in sorted({k for m in ms for k in m if k.startswith("source/")}):
         out[k] = float(sum(m.get(k, 0) for m in ms))

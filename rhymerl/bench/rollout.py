@@ -262,17 +262,18 @@ def _epoch(eng, w: Workload, temperature: float, seed_offset: int, record: bool 
 # step-cost model, thread counts) is a state or a ratio: the last call's stands, and the
 # ratios are recomputed from the sums (``_derived``).
 _ADDITIVE = frozenset(("responses", "generated_tokens", "draft_proposed", "draft_accepted", "drafts", "target_forwards",
-                       "engine_steps", "wall_s", "draft_time_s", "drafter_calls", "steps", "steps_without_drafts",
-                       "requests", "requests_with_history", "searches", "searches_skipped"))
+                       "engine_steps", "wall_s", "draft_time_s", "drafter_calls"))
 
 
 def accumulate(tot: dict, metrics: dict) -> dict:
     """Add one generate() call's ``metrics`` into ``tot``: counts and times summed, the rest
     (fractions, fitted costs) replaced by the latest call's."""
+    from rhymerl.histospec.proposer import STAT_COUNTS
+
     for k, v in metrics.items():
         if not isinstance(v, (int, float)):
             continue
-        if k in _ADDITIVE or (k.startswith("source/") and k.rsplit("/", 1)[-1] in ("drafts", "proposed", "accepted")):
+        if k in _ADDITIVE or k in STAT_COUNTS or (k.startswith("source/") and k.rsplit("/", 1)[-1] in ("drafts", "proposed", "accepted")):
             tot[k] = tot.get(k, 0) + v
         else:
             tot[k] = v
@@ -280,12 +281,9 @@ def accumulate(tot: dict, metrics: dict) -> dict:
 
 
 def _derived(t: dict) -> dict:
-    for frac, num, den in (("steps_without_drafts_fraction", "steps_without_drafts", "steps"),
-                           ("history_served_fraction", "requests_with_history", "requests")):
-        if num in t and den in t:
-            t[frac] = t[num] / max(1, t[den])
-    if "searches" in t and "searches_skipped" in t:
-        t["searches_skipped_fraction"] = t["searches_skipped"] / max(1, t["searches"] + t["searches_skipped"])
+    from rhymerl.histospec.proposer import add_stat_fractions
+
+    add_stat_fractions(t)
     fwd, gen, prop = t.get("target_forwards", 0), t.get("generated_tokens", 0), t.get("draft_proposed", 0)
     t["tokens_per_forward"] = gen / fwd if fwd else 0.0
     t["acceptance_rate"] = t.get("draft_accepted", 0) / prop if prop else 0.0
@@ -542,7 +540,8 @@ def run_sweep(args) -> dict:
                       "runs": {m: [{k: r.get(k) for k in RUN_FIELDS} for r in rs] for m, rs in runs.items()}})
     out = {"workload": args.config or args.model, "n": w.rollout.n, "max_tokens": w.rollout.max_tokens,
            "trained_epochs": args.train_epochs if args.config else 0, "threads": get_cpu_threads(),
-           "repeats": args.repeats, "min_requests": args.sweep_min_requests, "variants": labels, "cells": cells, **_ratio_summary([c["ratio"] for c in cells])}
+           "repeats": args.repeats, "min_requests": args.sweep_min_requests, "variants": labels, "cells": cells,
+           **_ratio_summary([c["ratio"] for c in cells])}
     if fit is not None:
         out["none_time_fit"] = dict(zip(NONE_FIT_FIELDS, fit))
         out["equal_lengths"] = _ratio_summary([c["ratio_equal_lengths"] for c in cells])

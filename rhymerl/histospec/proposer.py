@@ -281,6 +281,24 @@ def _walk_group(sam: SuffixAutomaton, v: int, limit: int, conf_limit: int, min_p
     return _greedy(next_of, v, limit, conf_limit, min_prob, conf)
 
 
+# ``DraftProposer.stats()``'s counts behind its fractions: they add up over rollouts and engines.
+STAT_COUNTS = ("requests", "requests_with_history", "steps", "steps_without_drafts", "searches", "searches_skipped")
+
+
+def add_stat_fractions(s: dict) -> dict:
+    """Set ``DraftProposer.stats()``'s fractions from its counts, those present: also for
+    counts summed over several rollouts."""
+    if "steps" in s:
+        # Engine steps in which nobody drafted (speculation fully bypassed).
+        s["steps_without_drafts_fraction"] = s["steps_without_drafts"] / max(1, s["steps"])
+    if "requests" in s:
+        s["history_served_fraction"] = s["requests_with_history"] / max(1, s["requests"])
+    if "searches" in s:
+        # Request-steps whose chain search was skipped because no draft of theirs could pay.
+        s["searches_skipped_fraction"] = s["searches_skipped"] / max(1, s["searches"] + s["searches_skipped"])
+    return s
+
+
 class DraftProposer:
     def __init__(self, store: HistoryStore, cfg: HistoSpecConfig):
         if cfg.min_match < 1 or cfg.match_window < cfg.min_match:
@@ -614,11 +632,7 @@ class DraftProposer:
         s["acceptance_rate"] = s["accepted"] / max(1, s["proposed"])
         s["active_requests"] = len(self._reqs)
         s["active_groups"] = len(self._groups)
-        # Fraction of engine steps in which nobody drafted (speculation fully bypassed).
-        s["steps_without_drafts_fraction"] = s["steps_without_drafts"] / max(1, s["steps"])
-        s["history_served_fraction"] = s["requests_with_history"] / max(1, s["requests"])
-        # Request-steps whose chain search was skipped because no draft of theirs could pay.
-        s["searches_skipped_fraction"] = s["searches_skipped"] / max(1, s["searches"] + s["searches_skipped"])
+        add_stat_fractions(s)
         s["search_us_per_request"] = 1e6 * self._search_s
         for src, (drafts, proposed, accepted) in self._by_source.items():
             s[f"source/{src}/drafts"] = drafts
