@@ -161,6 +161,10 @@ class HistoSpecConfig:
     # --seeds 1,2,3) it gave 1.40x rollout at equal lengths against the default's 1.50x and
     # 1.56 tokens per forward against 1.61: off by default.
     match_length_factor: float = 0.0
+    # Sources' chains are compared at L / (L + this) of their expected accepted tokens (L: the
+    # chain's match length), so a short match in a small index, whose few occurrences look
+    # certain, loses to a longer match elsewhere; 0 = compared unscaled.
+    match_confidence_tokens: float = 0.0
     fixed_len: int = 8
     max_draft: int = 16
     tree: bool = False
@@ -781,6 +785,7 @@ def check_static(cfg: RunConfig) -> None:
     _require(h.max_draft >= 1, "histospec.max_draft", "must be >= 1")
     _require(0 < h.adaptive_conf <= 1, "histospec.adaptive_conf", "must be in (0, 1]")
     _require(h.match_length_factor >= 0, "histospec.match_length_factor", "must be >= 0 (0 = no cap)")
+    _require(h.match_confidence_tokens >= 0, "histospec.match_confidence_tokens", "must be >= 0 (0 = unscaled)")
     _require(h.tree_nodes >= 1, "histospec.tree_nodes", "must be >= 1")
     _require(h.global_token_budget >= 0, "histospec.global_token_budget", "must be >= 0")
     _require(h.token_budget >= 0, "histospec.token_budget", "must be >= 0 (0 = sized from the dataset and memory)")

@@ -662,6 +662,10 @@ def main(argv: list[str]) -> int:
         # pays depends on a draft token's price (--step-per-token-ms).
         ablations["match_length_factor"] = {f"match_length_factor_{f:g}": hs(f"mlf{f:g}", match_length_factor=f)
                                             for f in (0.0, 1.0, 2.0)}
+        # A short match in a small index looks certain; scaling sources' chains by L / (L + K)
+        # when they are compared lets a longer match elsewhere win.
+        ablations["match_confidence_tokens"] = {
+            f"match_confidence_tokens_{k:g}": hs(f"mct{k:g}", match_confidence_tokens=k) for k in (0.0, 1.0, 2.0, 4.0)}
         ablations["draft_rule_goodput_vs_adaptive"] = {
             "goodput": hs("gp"), "adaptive": hs("ad", draft_rule="adaptive")}
         cold = {}

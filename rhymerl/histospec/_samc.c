@@ -508,7 +508,7 @@ static PyObject *chain_with(const Reads *r, const void *ix, long long st, long l
             score += p;
             v = u;
         }
-        if (PyList_GET_SIZE(toks)) return Py_BuildValue("(NNdL)", toks, probs, score, st);
+        if (PyList_GET_SIZE(toks)) return Py_BuildValue("(NNdLL)", toks, probs, score, st, ln);
         Py_DECREF(toks);
         Py_DECREF(probs);
         if (st == 0) break; /* the root matches nothing shorter */
@@ -733,7 +733,7 @@ static PyMethodDef methods[] = {
      " -> (state, length)"},
     {"chain", chain, METH_VARARGS,
      "chain(view or group, state, length, min_match, limit, conf_limit, min_prob, conf)"
-     " -> (tokens, probs, score, state) | None"},
+     " -> (tokens, probs, score, state, match length) | None"},
     {"group_new", group_new, METH_NOARGS, "group_new() -> a growing group index (one node: the root)"},
     {"group_push", group_push, METH_VARARGS, "group_push(group, cursor, tokens) -> the new end state"},
     {"group_columns", group_columns, METH_VARARGS, "group_columns(group) -> ([(ln, link, cnt)], [(state, token, child)])"},

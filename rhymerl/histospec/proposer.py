@@ -160,14 +160,14 @@ def _python_advance(sam, st: int, ln: int, generated: Sequence[int], start: int,
 
 def _python_chain(sam, walk, v: int, length: int, min_match: int, limit: int, conf_limit: int, min_prob: float,
                   reward: bool, conf: float):
-    """(tokens, cond_probs, score, state) of ``walk``'s chain after the match (v, length),
-    backing off to shorter matches while it is empty; None below ``min_match`` (what
-    ``_samc.chain`` compiles)."""
+    """(tokens, cond_probs, score, state, match length) of ``walk``'s chain after the match
+    (v, length), backing off to shorter matches while it is empty; None below ``min_match``
+    (what ``_samc.chain`` compiles)."""
     lens, link = sam.ln, sam.link
     while length >= min_match:
         toks, probs, score = walk(sam, v, limit, conf_limit, min_prob, reward, conf)
         if toks:
-            return toks, probs, score, v
+            return toks, probs, score, v, length
         # Back off to the next shorter match (the release tries 7, 6, 5, 4).
         v = link[v]
         length = lens[v]
@@ -390,12 +390,19 @@ class DraftProposer:
 
         Sources are compared by expected accepted tokens under each source's online
         acceptance (``AcceptanceTracker``), not by raw history counts: a source whose
-        drafts the policy keeps rejecting loses to one it accepts.
+        drafts the policy keeps rejecting loses to one it accepts. With
+        ``match_confidence_tokens`` = K > 0 a chain drawn after a match of L tokens is
+        compared at L / (L + K) of that: in a small index (a prompt's dozen responses) a
+        short match's one or two occurrences look certain, while a longer match in another
+        source is the better evidence. The kept chain's planning is not scaled.
         """
         cfg = self.cfg
         best = None
         best_val = 0.0
         acc = self.acceptance
+        shrink = cfg.match_confidence_tokens
+        # Matches are at most match_window long, so no scaled chain exceeds this share of its bound.
+        bound_scale = cfg.match_window / (cfg.match_window + shrink)
         hist, sib, glob = r.hist, r.sib, r.glob
         if sib is not None:
             g = self._groups.get(r.group)
@@ -404,14 +411,16 @@ class DraftProposer:
         for src, m, walk in (("history", hist, _walk), ("group", sib, _walk_group), ("global", glob, _walk)):
             if m is None or not m.sam.num_tokens:
                 continue
-            if best is not None and acc.bound(req_id, src, conf_limit) <= best_val:
+            if best is not None and acc.bound(req_id, src, conf_limit) * bound_scale <= best_val:
                 continue  # even a unanimous chain from this source could not beat the best so far
             m.advance(generated, cfg.match_window, self._reward and src == "history")
             cand = self._chain_from(m, limit, conf_limit, walk)
             if cand is None:
                 continue
-            toks, probs, _, v, sam = cand
+            toks, probs, _, v, length, sam = cand
             val, surv = acc.expected_accepted(req_id, src, probs)
+            if shrink > 0.0:
+                val *= length / (length + shrink)
             if val > best_val:
                 best, best_val = (toks, probs, src, v, sam, surv), val
         return best

@@ -31,6 +31,7 @@ def test_override_types_and_paths():
     ("rollout.n=2.5", "rollout.n"),
     ("histospec.tree=maybe", "histospec.tree"),
     ("histospec.match_length_factor=-1", "histospec.match_length_factor"),
+    ("histospec.match_confidence_tokens=-1", "histospec.match_confidence_tokens"),
     ("algo.name=grpo", None),
 ])
 def test_bad_overrides_name_the_key(override, needle):

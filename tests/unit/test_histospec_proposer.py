@@ -47,6 +47,22 @@ def test_match_length_factor_caps_a_chain_at_that_multiple_of_its_match():
     assert p.propose("a", r[:5], 8).tokens == r[5:11]
 
 
+def test_match_confidence_tokens_lets_a_longer_match_in_another_source_win():
+    c0 = cfg(include_global=True)
+    store = HistoryStore(c0)
+    store.add_group(1, 0, [[1, 2, 3, 4, 5, 6, 7, 8]])  # the prompt's own history
+    store.add_group(2, 0, [[20, 21, 22, 3, 40, 41, 42]])  # another prompt's, in the shared index
+    gen = [20, 21, 22, 3]  # matches 1 token of the history ("3") and 4 of the shared index
+    got = {}
+    for k in (0.0, 4.0):
+        p = DraftProposer(store, dataclasses.replace(c0, match_confidence_tokens=k))
+        p.begin("a", 1)
+        got[k] = p.propose("a", gen, 8).tokens
+    # Unscaled, the history's longer chain (5 certain tokens against 3) wins; at K = 4 the
+    # 1-token match counts 1/5 of that and the 4-token one 4/8.
+    assert got == {0.0: [4, 5, 6, 7, 8], 4.0: [40, 41, 42]}
+
+
 def test_no_match_unknown_prompt_and_start_after_give_empty_drafts():
     p = proposer([[1, 2, 3, 4, 5, 6]], min_match=2, start_after=3)
     p.begin("a", 1)
