@@ -102,6 +102,14 @@ class ParallelConfig:
     # (flash attention: no [s, s] score matrix per layer kept for backward, the largest share of
     # a long-row training step's memory); "unfused" is megatron's own baddbmm + softmax.
     attention: Literal["sdpa", "unfused"] = "sdpa"
+    # Mixed precision for float32 weights (megatron backend): the layers' matmuls run in bfloat16
+    # under torch.autocast, while the weights, their gradients, Adam's moments and the output
+    # layer with its log-softmax over the vocabulary stay float32. "auto": bfloat16 on a CPU
+    # with native bfloat16 matmuls (AVX512-BF16, AMX, Arm BF16), none elsewhere (CUDA runs
+    # train bfloat16 weights with megatron's mixed-precision optimizer instead). The trainer's
+    # log-probs then differ from the engine's float32 ones by about 0.02 per token (logged as
+    # train/logprob_mean_abs); on-policy steps take the ratio from the loss's own forward.
+    autocast: Literal["none", "bfloat16", "auto"] = "none"
 
 
 @dataclass
@@ -681,7 +689,8 @@ def ignored_keys(cfg: RunConfig, given: set[str]) -> list[str]:
     when(a.overlong_buffer == 0, "algo.overlong_penalty", "algo.overlong_buffer is 0")
     when(p.backend == "megatron", "parallel.zero_stage", "parallel.backend is 'megatron'")
     when(p.backend == "deepspeed", ["parallel.distributed_optimizer", "parallel.recompute_activations",
-                                    "parallel.recompute_norms", "parallel.recompute_over_budget", "parallel.attention"],
+                                    "parallel.recompute_norms", "parallel.recompute_over_budget", "parallel.attention",
+                                    "parallel.autocast"],
          "parallel.backend is 'deepspeed'")
     when(p.backend == "megatron" and p.recompute_activations, ["parallel.recompute_norms",
                                                                 "parallel.recompute_over_budget"],
@@ -899,4 +908,6 @@ def validate(cfg: RunConfig, shape: Optional[ModelShape] = None, world_size: Opt
                  "rollout.tensor_parallel", f"{rtp} does not divide the model's attention/key-value heads")
     _require(cfg.data.prompts_per_step % dp == 0 or cfg.data.prompts_per_step >= dp, "data.prompts_per_step",
              f"{cfg.data.prompts_per_step} prompts cannot feed {dp} data-parallel ranks")
+    _require(p.autocast != "bfloat16" or cfg.model.dtype == "float32", "parallel.autocast",
+             f"bfloat16 needs model.dtype float32 (weights in {cfg.model.dtype} already compute in that type)")
     return dp

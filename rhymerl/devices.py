@@ -1,5 +1,6 @@
-"""The one place that knows devices: where a rank computes, and where each process group's
-collectives take their tensors.
+"""The one place that knows devices: where a rank computes, where each process group's
+collectives take their tensors, and which lower precision a device computes in natively
+(``parallel.autocast``).
 
 NCCL takes CUDA tensors only and gloo CPU tensors (PyTorch refuses anything else with "No
 backend type associated with device type ..."), so every tensor handed to a collective goes
@@ -128,3 +129,99 @@ def set_cpu_threads(n: int) -> None:
     if n < 1:
         raise ValueError(f"CPU threads must be >= 1, got {n}")
     torch._C.set_num_threads(int(n))
+
+
+def cpu_has_native_bf16(cpuinfo: Optional[str] = None) -> bool:
+    """Whether this CPU (``cpuinfo``: the text of /proc/cpuinfo, read when None) multiplies
+    bfloat16 matrices in hardware (x86: AVX512-BF16 or AMX; Arm: the BF16 extension). Without it
+    torch emulates bfloat16 matmuls, slower than float32."""
+    text = cpuinfo
+    if text is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                text = f.read()
+        except OSError:
+            return False
+    flags: set[str] = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def autocast_dtype(mode: str, device: torch.device, params_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype a float32 model's matmuls run in under ``parallel.autocast`` = ``mode`` on
+    ``device``, or None to run them in the weights' own dtype.
+
+    "auto" picks bfloat16 on a CPU with native bfloat16 matmuls (on two cores of such a host a
+    135M model's training step runs in about half the time) and nothing elsewhere: CUDA runs
+    train with bfloat16 weights and megatron's mixed-precision optimizer instead."""
+    if mode not in ("none", "bfloat16", "auto"):
+        raise ValueError(f"parallel.autocast: {mode!r} not allowed; allowed: none, bfloat16, auto")
+    if mode == "bfloat16" and params_dtype != torch.float32:
+        raise ValueError(f"parallel.autocast: bfloat16 needs model.dtype float32 (weights in {params_dtype} "
+                         "already compute in that type); set parallel.autocast to none or auto")
+    if mode == "none" or params_dtype != torch.float32:
+        return None
+    if mode == "bfloat16":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cpu" and cpu_has_native_bf16() else None
+
+
+def autocast(device: torch.device, dtype: Optional[torch.dtype]):
+    """Mixed precision on ``device`` for the forwards and backwards inside; a no-op context for
+    ``dtype`` None.
+
+    Without autocast's cache of cast weights: it would keep a bfloat16 copy of every weight
+    for the whole region, a training step's forward and backward over all its micro-batches,
+    on top of the float32 weights (the main job's config with parallel.autocast=auto, bench
+    memory: 31.3 bytes per parameter with it, 29.7 without, training time the same)."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None, cache_enabled=False)
+
+
+# oneDNN keeps every matmul primitive it creates, up to 1024 of them. Micro-batches cut to
+# their longest row give bfloat16 matmuls new shapes every step, so the cache grew the training
+# peak step by step (bench memory with parallel.autocast=auto over six steps: 28.7 to 32.8
+# bytes per parameter). At 128 (about a step's primitives): 28.7 to 31.5; at 8: 28.3 to 30.8.
+# Recreated primitives cost time: the main job's training phase took 45.9 s unbounded, 52.5 s
+# at 128 and 58.3 s at 8 (76.6 s in float32).
+ONEDNN_PRIMITIVE_CACHE = 128
+
+
+def bound_cpu_kernel_cache() -> None:
+    """Bound oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, read when the cache is
+    first used, so this runs before the first bfloat16 matmul; a value already set wins)."""
+    import os
+
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+
+
+def without_autocast(device: torch.device):
+    """Float32 inside an autocast region (the output layer and its log-softmax over the
+    vocabulary, where bfloat16's 8 mantissa bits would blur the log-probs)."""
+    return torch.autocast(device.type, enabled=False)
+
+
+def float32_backward(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t``, whose producing node then runs its backward with autocast off on ``device``.
+
+    A forward run in float32 inside an autocast region (``without_autocast``) would otherwise
+    take bfloat16 copies of its weight and incoming gradient in backward, when the region
+    covers backward too: for the output layer of a 49k vocabulary that is a weight's worth of
+    copies per micro-batch, and a gradient of the tied embedding rounded to bfloat16."""
+    node = t.grad_fn
+    if node is None:
+        return t
+    saved: list[bool] = []
+
+    def off(grad_outputs):
+        saved.append(torch.is_autocast_enabled(device.type))
+        torch.set_autocast_enabled(device.type, False)
+
+    def restore(grad_inputs, grad_outputs):
+        torch.set_autocast_enabled(device.type, saved.pop())
+
+    node.register_prehook(off)
+    node.register_hook(restore)
+    return t

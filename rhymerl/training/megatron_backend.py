@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rhymerl.config import AlgorithmConfig, ParallelConfig
+from rhymerl.devices import autocast, autocast_dtype, bound_cpu_kernel_cache, float32_backward, without_autocast
 from rhymerl.resharding.exporter import HFExportStats, export_hf_buckets
 from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_hf
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint, shield_megatron_writer
@@ -165,6 +166,10 @@ class MegatronBackend:
         self.parallel_cfg, self.algo_cfg, self.groups = parallel_cfg, algo_cfg, groups
         self.model_path = Path(model_path)
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
+        # The dtype the layers' matmuls run in (parallel.autocast); None: the weights' own.
+        self.autocast_dtype = autocast_dtype(parallel_cfg.autocast, groups.device, self.dtype)
+        if self.autocast_dtype is not None and groups.device.type == "cpu":
+            bound_cpu_kernel_cache()
         self.temperature = float(temperature)
         self.hf_config = read_hf_config(self.model_path)
         self.layout = ModelLayout.from_hf_config(self.hf_config, where=str(self.model_path / "config.json"))
@@ -191,6 +196,8 @@ class MegatronBackend:
         self._unscored_prefix = 0
         if groups.is_last_stage:
             model.output_layer.register_forward_pre_hook(self._output_layer_input, with_kwargs=True)
+            if self.autocast_dtype is not None:
+                model.output_layer.forward = self._float32_output(model.output_layer.forward)
         self.module = model
         self.model = model
         self.optimizer = None
@@ -255,6 +262,17 @@ class MegatronBackend:
         if self.temperature != 1.0:
             h = h / self.temperature
         return (h,) + tuple(args[1:]), kwargs
+
+    def _float32_output(self, forward: Callable) -> Callable:
+        # A bfloat16 [tokens, vocabulary] product would carry log-prob errors of a few hundredths
+        # per token into the loss; the output layer costs a tenth of a small model's step.
+        device = self.groups.device
+
+        def output_forward(h, *args, **kwargs):
+            with without_autocast(device):
+                logits, bias = forward(h.float(), *args, **kwargs)
+            return float32_backward(logits, device), bias
+        return output_forward
 
     @staticmethod
     def _next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
@@ -326,9 +344,14 @@ class MegatronBackend:
                 self._unscored_prefix = 0
             return out, partial(loss_func, mb)
 
-        out = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
-            num_microbatches=len(micro), seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
+        # The region covers backward too. Megatron's linear layers are autograd Functions whose
+        # backward re-enters the forward's autocast state only on CUDA (custom_bwd), and a layer
+        # recomputed in backward must run in the dtypes its forward ran in; inside the region
+        # both hold on every device.
+        with autocast(g.device, self.autocast_dtype):
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+                num_microbatches=len(micro), seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
         if progress is not None:
             progress.finish()
         return out

@@ -64,6 +64,10 @@ def test_impossible_combinations():
     with pytest.raises(ConfigError, match="pipeline_parallel"):
         validate(cfg, shape, world_size=3)
     assert validate(load_config(None, ["parallel.tensor_parallel=2"]), shape, world_size=4) == 2
+    cfg = load_config(None, ["parallel.autocast=bfloat16", "model.dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="parallel.autocast: bfloat16 needs model.dtype float32"):
+        validate(cfg, shape, world_size=1)
+    validate(load_config(None, ["parallel.autocast=auto", "model.dtype=bfloat16"]), shape, world_size=1)
 
 
 # Published shapes of the models the cluster configs point at (their config.json values).
@@ -135,12 +139,14 @@ def test_keys_the_chosen_path_does_not_use_are_reported(caplog):
     assert "histospec.fixed_len" not in text and "rollout.n" not in text
     caplog.clear()
     with caplog.at_level("WARNING", logger="rhymerl.config"):
-        load_config(None, ["parallel.backend=deepspeed", "parallel.recompute_norms=true", "parallel.attention=unfused"])
+        load_config(None, ["parallel.backend=deepspeed", "parallel.recompute_norms=true", "parallel.attention=unfused",
+                           "parallel.autocast=auto"])
         load_config(None, ["parallel.recompute_activations=true", "parallel.recompute_norms=true",
                            "parallel.recompute_over_budget=false"])
     text = caplog.text
     for key, why in (("parallel.recompute_norms", "parallel.backend is 'deepspeed'"),
                      ("parallel.attention", "parallel.backend is 'deepspeed'"),
+                     ("parallel.autocast", "parallel.backend is 'deepspeed'"),
                      ("parallel.recompute_norms", "parallel.recompute_activations is true"),
                      ("parallel.recompute_over_budget", "parallel.recompute_activations is true")):
         assert f"{key}: set but unused because {why}" in text, (key, text)

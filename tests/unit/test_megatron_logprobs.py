@@ -50,6 +50,10 @@ def _hf_reference(model_dir, ids, mask, weights, temperature):
                                 "embedding": hf.get_input_embeddings().weight.grad, "norm": hf.model.norm.weight.grad}
 
 
+def _weighted_logprob_sum(lp, old, adv, m, cfg, ref, num_tokens, num_sequences):
+    return (lp * m * adv[:, None]).sum(), {}
+
+
 @pytest.mark.parametrize("temperature,micro_batch_tokens,over_budget", [
     (1.0, 4096, True), (0.7, 4096, True),
     # One 12-token row per micro-batch, over an 8-token budget: each recomputes its layers in
@@ -64,14 +68,11 @@ def test_logprobs_and_gradient_match_hf_log_softmax(one_rank, tiny_model_dir, te
     ids, mask, weights = _batch()
     ref_lp, ref_grads = _hf_reference(tiny_model_dir, ids, mask, weights, temperature)
 
-    def weighted_logprob_sum(lp, old, adv, m, cfg, ref, num_tokens, num_sequences):
-        return (lp * m * adv[:, None]).sum(), {}
-
     # Megatron's loss scaling cancels the backend's over micro-batches, and no clipping, which
     # would rescale main_grad in place: main_grad is then this loss's gradient.
     algo = AlgorithmConfig(lr=1e-2, micro_batch_tokens=micro_batch_tokens, grad_clip=0.0)
     b = MegatronBackend(ParallelConfig(recompute_over_budget=over_budget), algo, tiny_model_dir,
-                        one_rank(), temperature=temperature, loss_fn=weighted_logprob_sum)
+                        one_rank(), temperature=temperature, loss_fn=_weighted_logprob_sum)
     # Positions the output layer sees: only from the one that predicts a micro-batch's first
     # response token on: 3 of 12 with every row in one micro-batch; one row apiece, 3 of 12, 5 of
     # 12, and 3 of the 9 the last row's micro-batch is cut to.
@@ -135,3 +136,48 @@ def test_one_grpo_step_moves_logprobs_towards_its_advantages(one_rank, tiny_mode
     after = b.compute_logprobs(ids, mask)
     assert update_gain(adv, before, after, mask) > 0
     assert update_gain(-adv, before, after, mask) < 0
+
+
+def _bf16_step(one_rank, model_dir, micro_batch_tokens: int, over_budget: bool, autocast: str):
+    """(dtype of the first MLP's output and of the logits, log-probs, flat gradient, recomputed
+    micro-batches) of one step of the weighted log-prob sum."""
+    from rhymerl.config import AlgorithmConfig, ParallelConfig
+    from rhymerl.training.base import PolicyBatch
+    from rhymerl.training.megatron_backend import MegatronBackend
+
+    ids, mask, weights = _batch()
+    algo = AlgorithmConfig(lr=1e-2, micro_batch_tokens=micro_batch_tokens, grad_clip=0.0)
+    b = MegatronBackend(ParallelConfig(autocast=autocast, recompute_over_budget=over_budget), algo, model_dir,
+                        one_rank(), temperature=0.7, loss_fn=_weighted_logprob_sum)
+    dtypes: dict = {}
+    b.module.decoder.layers[0].mlp.linear_fc1.register_forward_hook(lambda m, a, o: dtypes.setdefault("fc1", o[0].dtype) and None)
+    b.module.output_layer.register_forward_hook(lambda m, a, o: dtypes.setdefault("logits", o[0].dtype) and None)
+    lp = b.compute_logprobs(ids, mask)
+    b.train_step(PolicyBatch(ids, mask, weights))
+    grad = torch.cat([p.main_grad.flatten() for p in b.model.parameters()])
+    return dtypes, lp, grad, b.recomputed_micro_batches
+
+
+def test_bf16_autocast_runs_the_layers_in_bf16_and_keeps_logprobs_and_gradient_close(one_rank, tiny_model_dir):
+    dtypes32, lp32, grad32, _ = _bf16_step(one_rank, tiny_model_dir, 4096, True, "none")
+    dtypes, lp, grad, _ = _bf16_step(one_rank, tiny_model_dir, 4096, True, "bfloat16")
+    assert dtypes32 == {"fc1": torch.float32, "logits": torch.float32}
+    # The output layer and its log-softmax over the vocabulary stay float32.
+    assert dtypes == {"fc1": torch.bfloat16, "logits": torch.float32}
+    assert lp.dtype == torch.float32
+    # This random model's logits are larger than a trained one's (SmolLM2: 0.02 per token).
+    diff = (lp - lp32).abs()[_batch()[1] > 0]
+    assert 0 < diff.mean() < 0.06 and diff.max() < 0.25, (diff.mean(), diff.max())
+    cos = torch.nn.functional.cosine_similarity(grad, grad32, dim=0)
+    assert cos > 0.99
+    assert not torch.equal(grad, grad32)
+
+
+def test_bf16_autocast_layers_recomputed_in_backward_give_the_kept_layers_gradient(one_rank, tiny_model_dir):
+    # One 12-token row per micro-batch over an 8-token budget: each recomputes its layers in
+    # backward, which must run in the dtypes the forward ran in (in float32 the gradient differs).
+    _, lp_kept, kept, none = _bf16_step(one_rank, tiny_model_dir, 8, False, "bfloat16")
+    _, lp_rec, recomputed, three = _bf16_step(one_rank, tiny_model_dir, 8, True, "bfloat16")
+    assert (none, three) == (0, 3)
+    torch.testing.assert_close(lp_rec, lp_kept, rtol=0, atol=0)
+    torch.testing.assert_close(recomputed, kept, rtol=1e-6, atol=1e-8)
