@@ -138,6 +138,15 @@ def test_one_grpo_step_moves_logprobs_towards_its_advantages(one_rank, tiny_mode
     assert update_gain(-adv, before, after, mask) < 0
 
 
+@pytest.fixture
+def onednn_env(monkeypatch):
+    """The backend bounds oneDNN's cache through the environment when it autocasts on CPU; keep
+    that out of the rest of the session (and the subprocesses it starts)."""
+    from rhymerl.devices import ONEDNN_PRIMITIVE_CACHE
+
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+
+
 def _bf16_step(one_rank, model_dir, micro_batch_tokens: int, over_budget: bool, autocast: str):
     """(dtype of the first MLP's output and of the logits, log-probs, flat gradient, recomputed
     micro-batches) of one step of the weighted log-prob sum."""
@@ -158,7 +167,8 @@ def _bf16_step(one_rank, model_dir, micro_batch_tokens: int, over_budget: bool, 
     return dtypes, lp, grad, b.recomputed_micro_batches
 
 
-def test_bf16_autocast_runs_the_layers_in_bf16_and_keeps_logprobs_and_gradient_close(one_rank, tiny_model_dir):
+def test_bf16_autocast_runs_the_layers_in_bf16_and_keeps_logprobs_and_gradient_close(one_rank, tiny_model_dir,
+                                                                                      onednn_env):
     dtypes32, lp32, grad32, _ = _bf16_step(one_rank, tiny_model_dir, 4096, True, "none")
     dtypes, lp, grad, _ = _bf16_step(one_rank, tiny_model_dir, 4096, True, "bfloat16")
     assert dtypes32 == {"fc1": torch.float32, "logits": torch.float32}
@@ -173,7 +183,8 @@ def test_bf16_autocast_runs_the_layers_in_bf16_and_keeps_logprobs_and_gradient_c
     assert not torch.equal(grad, grad32)
 
 
-def test_bf16_autocast_layers_recomputed_in_backward_give_the_kept_layers_gradient(one_rank, tiny_model_dir):
+def test_bf16_autocast_layers_recomputed_in_backward_give_the_kept_layers_gradient(one_rank, tiny_model_dir,
+                                                                                   onednn_env):
     # One 12-token row per micro-batch over an 8-token budget: each recomputes its layers in
     # backward, which must run in the dtypes the forward ran in (in float32 the gradient differs).
     _, lp_kept, kept, none = _bf16_step(one_rank, tiny_model_dir, 8, False, "bfloat16")
