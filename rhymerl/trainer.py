@@ -129,11 +129,10 @@ class Trainer:
         self.backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype,
                                      seed=cfg.run.seed, temperature=temp)
         if comm.rank == 0 and cfg.parallel.backend == "megatron" and cfg.parallel.autocast != "none":
-            compute = self.backend.autocast_dtype
-            log.info("training: parallel.autocast=%s: the layers' matmuls run in %s, weights and optimizer "
-                     "in %s", cfg.parallel.autocast,
-                     str(compute).replace("torch.", "") if compute else f"{cfg.model.dtype} (no native bfloat16 "
-                     "matmuls on this host)", cfg.model.dtype)
+            log.info("training: parallel.autocast=%s: the layers' matmuls run in %s%s, weights and optimizer "
+                     "in %s", cfg.parallel.autocast, self.backend.matmul_dtype_name,
+                     "" if self.backend.autocast_dtype else " (no native bfloat16 matmuls on this host)",
+                     cfg.model.dtype)
         self.ref_backend = None
         if cfg.algo.kl_coef > 0:
             # A frozen copy of the initial policy (no optimizer): its log-probs are the KL reference.

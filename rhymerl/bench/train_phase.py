@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
            "prompt_tokens": args.prompt_tokens, "batch_width": int(batch.input_ids.shape[1]),
            "micro_batch_tokens": args.micro_batch_tokens, "attention": args.attention,
            "recompute_activations": args.recompute_activations, "recompute_norms": pcfg.recompute_norms,
-           "autocast": args.autocast, "matmul_dtype": str(backend.autocast_dtype or backend.dtype).replace("torch.", ""),
+           "autocast": args.autocast, "matmul_dtype": backend.matmul_dtype_name,
            "repeats": args.repeats,
            "seconds": {k: round(statistics.median(v), 3) for k, v in times.items()},
            "ratio_to_on_policy_cut": {k: round(statistics.median(v) / base, 3) for k, v in times.items()}}

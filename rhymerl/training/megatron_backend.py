@@ -263,6 +263,11 @@ class MegatronBackend:
             h = h / self.temperature
         return (h,) + tuple(args[1:]), kwargs
 
+    @property
+    def matmul_dtype_name(self) -> str:
+        """The dtype the layers' matmuls run in, by name ("bfloat16" under autocast)."""
+        return str(self.autocast_dtype or self.dtype).removeprefix("torch.")
+
     def _float32_output(self, forward: Callable) -> Callable:
         # A bfloat16 [tokens, vocabulary] product would carry log-prob errors of a few hundredths
         # per token into the loss; the output layer costs a tenth of a small model's step.

@@ -164,6 +164,7 @@ def _bf16_step(one_rank, model_dir, micro_batch_tokens: int, over_budget: bool, 
     lp = b.compute_logprobs(ids, mask)
     b.train_step(PolicyBatch(ids, mask, weights))
     grad = torch.cat([p.main_grad.flatten() for p in b.model.parameters()])
+    assert b.matmul_dtype_name == ("float32" if autocast == "none" else "bfloat16")
     return dtypes, lp, grad, b.recomputed_micro_batches
 
 
