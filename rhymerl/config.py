@@ -317,6 +317,11 @@ class AlgorithmConfig:
     micro_batch_tokens: int = 4096
     # Optimiser steps per rollout batch (1 = strictly on-policy).
     updates_per_step: int = 1
+    # Leave rows whose loss and gradient are zero whatever the weights (zero advantage: every
+    # response of a group whose rewards are all equal; no KL term) out of the forward and
+    # backward. The gradient is unchanged (the normaliser still counts them); train/* figures
+    # such as entropy and clip_frac then describe the rows trained.
+    skip_zero_advantage_rows: bool = True
     # Log train/update_gain: the advantage-weighted change of the batch's own log-probs over
     # the step's updates (> 0: probability moved towards the better-than-group responses).
     # Costs a forward pass over the batch after the updates (and one before when on-policy).

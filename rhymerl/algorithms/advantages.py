@@ -39,7 +39,8 @@ def group_advantages(
     ``group_ids=None``. The std is the unbiased one (ddof=1), as in DeepSeekMath's
     GRPO and verl/TRL. ``scale_by_std=False`` only centres (Dr. GRPO), which removes
     the bias toward groups with small reward spread. A group of one response has no
-    baseline to compare with and gets advantage 0. Returns float64 of the input's shape.
+    baseline to compare with and gets advantage 0, and a group
+    whose rewards are all equal gets exactly 0. Returns float64 of the input's shape.
     """
     r = np.asarray(rewards, dtype=np.float64)
     if group_ids is None:
@@ -63,6 +64,13 @@ def group_advantages(
         std = np.sqrt(sq / np.maximum(count - 1.0, 1.0))
         out = centred / (std[idx] + eps)
     out[count[idx] < 2] = 0.0
+    # A group whose rewards are all equal has advantage exactly 0 (its mean can differ from
+    # them in the last bit), which lets the training step leave its rows out (rows_without_loss).
+    lo = np.full(g, np.inf)
+    hi = np.full(g, -np.inf)
+    np.minimum.at(lo, idx, r)
+    np.maximum.at(hi, idx, r)
+    out[(lo == hi)[idx]] = 0.0
     return out
 
 

@@ -131,6 +131,21 @@ def policy_loss(
     return loss, metrics
 
 
+def rows_without_loss(advantages: torch.Tensor, mask: torch.Tensor, cfg: AlgorithmConfig,
+                      has_reference: bool = False) -> torch.Tensor:
+    """[B] bool: the rows whose term in ``policy_loss`` is zero whatever the weights, and so is
+    its gradient: advantage 0 on every response token (both branches of the clipped objective
+    are then -0 * ratio) and no KL term (``kl_coef`` 0 or no reference). GRPO gives every
+    response of a group whose rewards are all equal advantage 0, and so a response whose
+    reward equals its group's mean. The loss's normaliser (tokens or sequences) still counts
+    these rows: leaving them out of the forward and backward changes no gradient."""
+    if has_reference and cfg.kl_coef:
+        return torch.zeros(mask.shape[0], dtype=torch.bool)
+    if advantages.dim() == 1:
+        return advantages == 0
+    return ((advantages != 0) & (mask > 0)).sum(dim=1) == 0
+
+
 def logprob_mismatch(engine_logprobs: Any, trainer_logprobs: Any, mask: Any) -> dict[str, float]:
     """Max and mean |engine - trainer| log-prob over masked tokens.
 

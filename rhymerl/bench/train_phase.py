@@ -46,7 +46,9 @@ def trace_batch(path: Path, rows: int, prompt_tokens: int, step: int):
         row = prompt + list(r["token_ids"])
         ids[i, :len(row)] = torch.tensor(row)
         mask[i, prompt_tokens:len(row)] = 1.0
-    adv = torch.linspace(-1.0, 1.0, len(pick))
+    # No row at advantage 0, which the backends would leave out: every row trains.
+    n = len(pick)
+    adv = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0) * torch.linspace(0.5, 1.0, n)
     lengths = [len(r["token_ids"]) for r in pick]
     return PolicyBatch(input_ids=ids, response_mask=mask, advantages=adv), lengths
 

@@ -30,6 +30,14 @@ class PolicyBatch:
     ref_logprobs: Optional[torch.Tensor] = None   # [B, T], for a KL term
     engine_logprobs: Optional[torch.Tensor] = None  # [B, T], from the rollout engine (correctness signal)
 
+    def rows(self, index: torch.Tensor) -> "PolicyBatch":
+        """The batch of rows ``index`` (a 1-D index tensor), every row-aligned field alike."""
+        def pick(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t[index]
+
+        return PolicyBatch(self.input_ids[index], self.response_mask[index], self.advantages[index],
+                           pick(self.old_logprobs), pick(self.ref_logprobs), pick(self.engine_logprobs))
+
 
 @dataclass
 class StepMetrics:

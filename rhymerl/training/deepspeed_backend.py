@@ -20,7 +20,7 @@ from rhymerl.config import AlgorithmConfig, ParallelConfig
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint
 from rhymerl.training.megatron_backend import DTYPES, combine_metrics
-from rhymerl.training.micro_loss import micro_batch_loss
+from rhymerl.training.micro_loss import micro_batch_loss, rows_to_train
 from rhymerl.training.microbatch import (left_pad_columns, pad_columns, policy_micro_batches, split_policy_rows,
                                          unpermute_rows, unscored_prefix)
 from rhymerl.training.process_groups import ProcessGroups
@@ -135,9 +135,10 @@ class DeepSpeedBackend:
             raise RuntimeError("this backend was built with train=False")
         g = self.groups
         B = batch.input_ids.shape[0]
+        num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
+        batch, skipped = rows_to_train(batch, self.algo_cfg, loss_fn)
         plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens,
                                            fixed_shape=False)
-        num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
         self.engine.train()
         per_micro, loss_total = [], 0.0
         progress = self.progress
@@ -165,6 +166,7 @@ class DeepSpeedBackend:
         else:
             parts = [(loss_total, per_micro)]
         extra = combine_metrics([m for _, ms in parts for m in ms])
+        extra["rows_skipped"] = float(skipped)
         grad_norm = self.engine.get_global_grad_norm()
         return StepMetrics(loss=sum(l for l, _ in parts), grad_norm=float(grad_norm or 0.0),
                            lr=float(self.optimizer.param_groups[0]["lr"]), extra=extra)

@@ -25,7 +25,7 @@ from rhymerl.resharding.exporter import HFExportStats, export_hf_buckets
 from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_hf
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint, shield_megatron_writer
 from rhymerl.training.base import PolicyBatch, StepMetrics
-from rhymerl.training.micro_loss import micro_batch_loss
+from rhymerl.training.micro_loss import micro_batch_loss, rows_to_train
 from rhymerl.training.microbatch import (left_pad_columns, pad_columns, plan_micro_batches, policy_micro_batches,
                                         rank_slice, split_micro, split_policy_rows, unpermute_rows, unscored_prefix)
 from rhymerl.training.process_groups import ProcessGroups
@@ -437,10 +437,11 @@ class MegatronBackend:
             raise RuntimeError("this backend was built with train=False")
         g = self.groups
         B = batch.input_ids.shape[0]
-        plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens,
-                                           fixed_shape=g.pp_size > 1)
         num_tokens = float(batch.response_mask.sum().clamp_min(1.0))
         loss_fn = self._policy_loss()
+        batch, skipped = rows_to_train(batch, self.algo_cfg, loss_fn)
+        plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens,
+                                           fixed_shape=g.pp_size > 1)
         # The schedule divides each micro-batch loss by their number and megatron's DDP averages
         # over DP ranks; the policy loss is already this shard's share of the global batch loss.
         scale = plan.num_micro * g.dp_size
@@ -475,6 +476,7 @@ class MegatronBackend:
         extra["tokens"] = tokens
         extra["update_successful"] = bool(ok)
         extra["recomputed_micro_batches"] = float(self.recomputed_micro_batches)
+        extra["rows_skipped"] = float(skipped)
         return StepMetrics(loss=float(loss), grad_norm=float(grad_norm or 0.0),
                            lr=float(self.optimizer.param_groups[0]["lr"]), extra=extra)
 

@@ -43,6 +43,29 @@ def micro_batch_loss(loss_fn: Callable, logprobs: torch.Tensor, mb: dict, cfg: A
     return loss, metrics
 
 
+def rows_to_train(batch, cfg: AlgorithmConfig, loss_fn: Callable):
+    """The part of ``batch`` (a ``PolicyBatch``) a train step runs, and how many rows it
+    leaves out. With the built-in ``policy_loss`` and ``cfg.skip_zero_advantage_rows``, rows
+    whose loss term and gradient are zero whatever the weights (``rows_without_loss``: zero
+    advantage, no KL term) are not run; the caller takes the loss's normalisers from the whole
+    batch first, so the gradient is the whole batch's. If no row is left, the shortest one
+    stays (its loss and gradient are zero): the step then still runs its schedule, the same
+    collectives on every rank, the optimiser's update (Adam's moments move the weights even
+    at a zero gradient) and the engine/trainer log-prob check, at the price of one row."""
+    from rhymerl.algorithms.losses import policy_loss, rows_without_loss
+    from rhymerl.training.microbatch import row_lengths
+
+    if loss_fn is not policy_loss or not cfg.skip_zero_advantage_rows:
+        return batch, 0
+    idle = rows_without_loss(batch.advantages, batch.response_mask, cfg, batch.ref_logprobs is not None)
+    if not bool(idle.any()):
+        return batch, 0
+    keep = (~idle).nonzero().flatten()
+    if keep.numel() == 0:
+        keep = row_lengths(batch.response_mask).argmin().reshape(1)
+    return batch.rows(keep), int(idle.shape[0] - keep.numel())
+
+
 def engine_mismatch(extra: dict) -> dict[str, float]:
     """Take the engine/trainer agreement out of a step's merged metrics, in the shape of
     ``logprob_mismatch`` (max_abs, mean_abs, tokens)."""

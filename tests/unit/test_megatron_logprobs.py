@@ -138,6 +138,41 @@ def test_one_grpo_step_moves_logprobs_towards_its_advantages(one_rank, tiny_mode
     assert update_gain(-adv, before, after, mask) < 0
 
 
+@pytest.mark.parametrize("advantages,skipped", [((1.0, 0.0, -0.5), 1), ((0.0, 0.0, 0.0), 2)])
+def test_rows_without_advantage_are_not_run_and_the_update_is_unchanged(one_rank, tiny_model_dir, advantages,
+                                                                          skipped):
+    """The backend leaves zero-advantage rows out of the forward and backward (the output
+    layer sees the rest; an all-zero batch runs its shortest row) and the step's gradient and
+    updated weights are those of the whole batch."""
+    from rhymerl.config import AlgorithmConfig, ParallelConfig
+    from rhymerl.training.base import PolicyBatch
+    from rhymerl.training.megatron_backend import MegatronBackend
+
+    ids, mask, _ = _batch()
+    adv = torch.tensor(advantages)
+    steps = {}
+    for skip in (True, False):
+        algo = AlgorithmConfig(lr=1e-2, micro_batch_tokens=4096, skip_zero_advantage_rows=skip)
+        b = MegatronBackend(ParallelConfig(), algo, tiny_model_dir, one_rank(), temperature=0.7)
+        rows: list[int] = []
+        b.module.output_layer.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[1]))
+        out = b.train_step(PolicyBatch(ids, mask, adv))
+        grads = torch.cat([p.main_grad.flatten() for p in b.model.parameters()])
+        weights = torch.cat([p.detach().flatten() for p in b.model.parameters()])
+        steps[skip] = (out, rows, grads, weights)
+    (on, rows_on, g_on, w_on), (off, rows_off, g_off, w_off) = steps[True], steps[False]
+    assert on.extra["rows_skipped"] == skipped and off.extra["rows_skipped"] == 0
+    assert rows_on == [3 - skipped] and rows_off == [3]
+    assert on.extra["tokens"] == float(mask[adv != 0].sum() if skipped < 2 else mask[2].sum())
+    if skipped == 2:
+        assert float(g_off.abs().max()) == 0.0 and float(g_on.abs().max()) == 0.0
+    else:
+        assert float(g_off.abs().max()) > 0
+        torch.testing.assert_close(g_on, g_off, rtol=1e-5, atol=1e-6 * float(g_off.abs().max()))
+    torch.testing.assert_close(w_on, w_off, rtol=1e-6, atol=1e-7)
+    assert on.loss == pytest.approx(off.loss, rel=1e-5, abs=1e-7)
+
+
 @pytest.fixture
 def onednn_env(monkeypatch):
     """The backend bounds oneDNN's cache through the environment when it autocasts on CPU; keep

@@ -127,3 +127,97 @@ def test_left_pad_columns_puts_zeros_before_the_scored_positions():
     x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     assert left_pad_columns(x, 4).tolist() == [[0.0, 0.0, 1.0, 2.0], [0.0, 0.0, 3.0, 4.0]]
     assert left_pad_columns(x, 2) is x
+
+
+def _grads_of_rows(model, batch: PolicyBatch, kept: PolicyBatch, cfg: AlgorithmConfig, dp: int = 2):
+    """``_grads`` of ``kept`` (rows of ``batch``) with the whole batch's loss normalisers."""
+    from rhymerl.algorithms.losses import policy_loss
+    from rhymerl.training.micro_loss import micro_batch_loss
+    from rhymerl.training.microbatch import policy_micro_batches
+
+    model.zero_grad()
+    for rank in range(dp):
+        _, micro = policy_micro_batches(kept, dp, rank, cfg.micro_batch_tokens, fixed_shape=False)
+        for mb in micro:
+            loss, _ = micro_batch_loss(policy_loss, _token_lp(model, mb["input_ids"]), mb, cfg,
+                                       float(batch.response_mask.sum()), float(batch.input_ids.shape[0]))
+            loss.backward()
+    return {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_agg", ["token", "sequence"])
+@pytest.mark.parametrize("separate_old", [False, True])
+def test_rows_with_zero_advantage_left_out_give_the_same_gradient(loss_agg, separate_old):
+    from rhymerl.algorithms.losses import policy_loss
+    from rhymerl.training.micro_loss import rows_to_train
+
+    cfg = AlgorithmConfig(micro_batch_tokens=64, loss_agg=loss_agg)
+    model = _model()
+    batch = _batch()
+    batch.advantages = torch.tensor([1.0, 0.0, 0.7, 0.0, 0.0, -0.3])
+    if separate_old:
+        with torch.no_grad():
+            # Another policy sampled: ratios differ from 1, so the clip is exercised too.
+            batch.old_logprobs = (_token_lp(model, batch.input_ids) + 0.3) * batch.response_mask
+    kept, skipped = rows_to_train(batch, cfg, policy_loss)
+    assert skipped == 3 and kept.input_ids.shape[0] == 3
+    torch.testing.assert_close(kept.input_ids, batch.input_ids[[0, 2, 5]])
+    if separate_old:
+        torch.testing.assert_close(kept.old_logprobs, batch.old_logprobs[[0, 2, 5]])
+    g_all, _ = _grads(model, batch, cfg)
+    g_kept = _grads_of_rows(model, batch, kept, cfg)
+    for k in g_all:
+        scale = float(g_all[k].abs().max())
+        assert scale > 0, k
+        torch.testing.assert_close(g_kept[k], g_all[k], rtol=1e-5, atol=1e-6 * scale, msg=k)
+
+
+def test_a_batch_without_advantages_trains_its_shortest_row_at_zero_gradient():
+    from rhymerl.algorithms.losses import policy_loss
+    from rhymerl.training.micro_loss import rows_to_train
+
+    cfg = AlgorithmConfig(micro_batch_tokens=64)
+    model = _model()
+    batch = _batch()
+    batch.advantages = torch.zeros(6)
+    kept, skipped = rows_to_train(batch, cfg, policy_loss)
+    # Row lengths 20, 9, 31, 12, 7, 25: the 7-token row stays.
+    assert skipped == 5 and kept.input_ids.shape[0] == 1
+    torch.testing.assert_close(kept.input_ids, batch.input_ids[[4]])
+    grads = _grads_of_rows(model, batch, kept, cfg)
+    assert all(float(g.abs().max()) == 0.0 for g in grads.values())
+
+
+def test_rows_are_kept_where_their_loss_is_not_zero():
+    from rhymerl.algorithms.losses import policy_loss, rows_without_loss
+    from rhymerl.training.micro_loss import rows_to_train
+
+    batch = _batch()
+    batch.advantages = torch.tensor([1.0, 0.0, 0.7, 0.0, 0.0, -0.3])
+    on = AlgorithmConfig()
+    # A KL term pulls every row towards the reference, whatever its advantage.
+    batch.ref_logprobs = torch.zeros_like(batch.response_mask)
+    assert rows_to_train(batch, AlgorithmConfig(kl_coef=0.1), policy_loss) == (batch, 0)
+    assert rows_to_train(batch, on, policy_loss)[1] == 3  # a reference at kl_coef 0 adds nothing
+    batch.ref_logprobs = None
+    # A loss other than the policy loss may not vanish at zero advantage; the switch turns it off.
+    assert rows_to_train(batch, on, lambda *a, **k: None) == (batch, 0)
+    assert rows_to_train(batch, AlgorithmConfig(skip_zero_advantage_rows=False), policy_loss) == (batch, 0)
+    # Per-token advantages: a row is idle only where every response token's advantage is 0.
+    adv = torch.zeros_like(batch.response_mask)
+    adv[0, 6] = 0.5
+    adv[1, 0] = 2.0  # a prompt position: carries no loss
+    assert rows_without_loss(adv, batch.response_mask, on).tolist() == [False, True, True, True, True, True]
+
+
+def test_a_group_of_equal_rewards_has_advantage_exactly_zero():
+    import numpy as np
+
+    from rhymerl.algorithms.advantages import group_advantages
+
+    # Three equal rewards whose float mean is not exactly the reward (0.1 + 0.1 + 0.1 != 0.3).
+    r = np.array([0.1, 0.1, 0.1, 1.0, 0.0, 1.0])
+    assert sum(r[:3]) / 3 != 0.1
+    adv = group_advantages(r, [0, 0, 0, 1, 1, 1])
+    assert (adv[:3] == 0.0).all() and (adv[3:] != 0.0).all()
+    assert (group_advantages(r, [0, 0, 0, 1, 1, 1], scale_by_std=False)[:3] == 0.0).all()
