@@ -49,10 +49,13 @@ def main() -> None:
         for h in hooks:
             h.remove()
         results[f"zero{stage}_positions"] = seen
-        losses = []
+        losses, skipped = [], []
         for seed in (1, 2):
             batch, g = make_batch(seed, 384)
-            losses.append(backend.train_step(with_old_logprobs(batch, g)).loss)
+            m = backend.train_step(with_old_logprobs(batch, g))
+            losses.append(m.loss)
+            skipped.append(m.extra["rows_skipped"])
+        results[f"zero{stage}_rows_skipped"] = skipped
         lp = backend.compute_logprobs(probe.input_ids, probe.response_mask)
         weights = {n: t.detach().clone().cpu() for b in backend.export_hf_weights(1 << 16) for n, t in b}
         if stage == 3:
