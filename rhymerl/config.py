@@ -692,6 +692,8 @@ def ignored_keys(cfg: RunConfig, given: set[str]) -> list[str]:
          "histopipe.enabled is false")
     when(not a.dynamic_sampling, "algo.max_refill_rounds", "algo.dynamic_sampling is false")
     when(a.overlong_buffer == 0, "algo.overlong_penalty", "algo.overlong_buffer is 0")
+    # Every row then carries the KL term's gradient, so none is left out.
+    when(a.kl_coef > 0, "algo.skip_zero_advantage_rows", f"algo.kl_coef is {a.kl_coef}")
     when(p.backend == "megatron", "parallel.zero_stage", "parallel.backend is 'megatron'")
     when(p.backend == "deepspeed", ["parallel.distributed_optimizer", "parallel.recompute_activations",
                                     "parallel.recompute_norms", "parallel.recompute_over_budget", "parallel.attention",

@@ -129,11 +129,13 @@ def test_response_length_that_does_not_fit_the_context_is_refused():
 def test_keys_the_chosen_path_does_not_use_are_reported(caplog):
     with caplog.at_level("WARNING", logger="rhymerl.config"):
         load_config(None, ["data.path=prompts.jsonl", "parallel.zero_stage=3", "histospec.max_draft=4",
-                           "rollout.speculative=ngram", "algo.max_refill_rounds=5", "model.tiny.hidden_size=64"])
+                           "rollout.speculative=ngram", "algo.max_refill_rounds=5", "model.tiny.hidden_size=64",
+                           "algo.kl_coef=0.001", "algo.skip_zero_advantage_rows=true"])
     text = caplog.text
     for key, why in (("data.path", "data.source is 'reasoning_gym'"), ("parallel.zero_stage", "'megatron'"),
                      ("histospec.max_draft", "rollout.speculative is 'ngram'"),
-                     ("algo.max_refill_rounds", "dynamic_sampling is false"), ("model.tiny", "model.path")):
+                     ("algo.max_refill_rounds", "dynamic_sampling is false"), ("model.tiny", "model.path"),
+                     ("algo.skip_zero_advantage_rows", "algo.kl_coef is 0.001")):
         assert f"{key}: set but unused because" in text and why in text, (key, text)
     # Keys left at their defaults, or used, are not reported.
     assert "histospec.fixed_len" not in text and "rollout.n" not in text
