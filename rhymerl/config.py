@@ -162,17 +162,18 @@ class HistoSpecConfig:
     # The adaptive rule drafts past its window while the history's path probability stays above this.
     adaptive_conf: float = 0.6
     # A chain drawn after a match of L tokens is at most max(1, this x L) tokens long
-    # (SuffixDecoding's max_spec_factor: a short match predicts little); 0 = no cap. Replayed
-    # on four SmolLM2 reasoning traces (bench histospec --ablations quick, match_length_factor
-    # rows), 1 x L raised the modelled rollout speedup by 1.3-1.7% at this CPU prior's costs
-    # and by 1.6-6.3% at the 7B H100 config's, but inside the RL loop (bench e2e --epochs 3
-    # --seeds 1,2,3) it gave 1.40x rollout at equal lengths against the default's 1.50x and
-    # 1.56 tokens per forward against 1.61: off by default.
-    match_length_factor: float = 0.0
+    # (SuffixDecoding's max_spec_factor: a short match predicts little); 0 = no cap.
+    match_length_factor: float = 1.0
     # Sources' chains are compared at L / (L + this) of their expected accepted tokens (L: the
     # chain's match length), so a short match in a small index, whose few occurrences look
     # certain, loses to a longer match elsewhere; 0 = compared unscaled.
-    match_confidence_tokens: float = 0.0
+    # The two together (1 and 4) replayed faster than both off on four SmolLM2 reasoning
+    # traces, at this CPU's step costs and at the 7B H100 config's (eight of eight, by
+    # 0.7-7.5%; bench histospec --trace T --max-len 8 against its ablation row
+    # match_confidence_tokens_0_length_factor_0), gave 1.44x rollout at equal lengths against
+    # 1.36x over eleven seeds in the RL loop (bench e2e), and tied in the temperature x
+    # concurrency sweep (README).
+    match_confidence_tokens: float = 4.0
     fixed_len: int = 8
     max_draft: int = 16
     tree: bool = False

@@ -642,7 +642,8 @@ def main(argv: list[str]) -> int:
         ablations["draft_rule"] = rules
         ablations["min_match"] = {f"min_match_{m}": hs(f"mm{m}", min_match=m) for m in (1, 2, 3, 4)}
         ablations["config_defaults"] = {
-            "HistoSpecConfig() (min_match 4, start_after 4)": run_hs(dataclasses.replace(base, max_draft=args.max_len), args.max_len)}
+            f"HistoSpecConfig() (min_match {base.min_match}, start_after {base.start_after})":
+                run_hs(dataclasses.replace(base, max_draft=args.max_len), args.max_len)}
         ablations["start_after"] = {f"start_after_{s}": hs(f"sa{s}", start_after=s)
                                     for s in ((0, 4, 8) if args.ablations == "full" else (0, 4))}
         ablations["branch"] = {b: hs(b, branch=b) for b in ("frequency", "reward")}
@@ -666,6 +667,9 @@ def main(argv: list[str]) -> int:
         # when they are compared lets a longer match elsewhere win.
         ablations["match_confidence_tokens"] = {
             f"match_confidence_tokens_{k:g}": hs(f"mct{k:g}", match_confidence_tokens=k) for k in (0.0, 1.0, 2.0, 4.0)}
+        # Both knobs off: the drafter before they became defaults.
+        ablations["match_confidence_tokens"]["match_confidence_tokens_0_length_factor_0"] = hs(
+            "mct0mlf0", match_confidence_tokens=0.0, match_length_factor=0.0)
         ablations["draft_rule_goodput_vs_adaptive"] = {
             "goodput": hs("gp"), "adaptive": hs("ad", draft_rule="adaptive")}
         cold = {}

@@ -121,7 +121,8 @@ def test_predicted_length_caps_goodput_drafts():
 
 
 def test_in_flight_siblings_and_own_output_are_draft_sources():
-    store, cfg = _proposer(include_global=False, draft_rule="fixed", fixed_len=4)
+    # Uncapped: a's whole continuation, not as many tokens as b's match is long.
+    store, cfg = _proposer(include_global=False, draft_rule="fixed", fixed_len=4, match_length_factor=0.0)
     p = DraftProposer(store, cfg)
     p.begin("a", 7, group="g")
     p.begin("b", 7, group="g")
@@ -136,7 +137,7 @@ def test_in_flight_siblings_and_own_output_are_draft_sources():
 
 
 def test_global_index_drafts_from_other_prompts():
-    store, cfg = _proposer(draft_rule="fixed", fixed_len=4)
+    store, cfg = _proposer(draft_rule="fixed", fixed_len=4, match_length_factor=0.0)
     store.add_group(1, 0, [[20, 21, 22, 23, 24, 25]])
     p = DraftProposer(store, cfg)
     p.begin("x", 999)  # an unseen prompt that phrases its answer like prompt 1
@@ -531,8 +532,10 @@ def test_compiled_index_reads_draft_what_the_python_reads_draft(monkeypatch, tre
     from rhymerl.histospec import index
     from rhymerl.histospec.synthetic import synthetic_trace
     trace = synthetic_trace(num_prompts=5, n=4, epochs=3, similarity=0.6, mean_len=80, seed=4)
+    # Sources compared unscaled: on this trace the shared index then wins drafts too, so its
+    # compiled reads are checked as well as the history's.
     cfg = dataclasses.replace(HistoSpecConfig(), tree=tree, step_cost_fixed_ms=1.0, step_cost_per_request_ms=0.2,
-                              step_cost_per_token_ms=0.05)
+                              step_cost_per_token_ms=0.05, match_confidence_tokens=0.0, match_length_factor=0.0)
     assert index.DRAFT_READS
     compiled, st = _replay_drafts(trace, cfg)
     # The engine passes views of its token table: the same drafts from them.
@@ -542,6 +545,12 @@ def test_compiled_index_reads_draft_what_the_python_reads_draft(monkeypatch, tre
     assert compiled == python
     assert _replay_drafts(trace, cfg, as_array=True)[0] == python
     assert st["drafts"] == st2["drafts"] > 0 and st["source/history/drafts"] > 0 and st["source/global/drafts"] > 0
+    # And with the defaults' capped chains and scaled comparison.
+    capped = dataclasses.replace(cfg, match_confidence_tokens=HistoSpecConfig.match_confidence_tokens,
+                                 match_length_factor=HistoSpecConfig.match_length_factor)
+    python_capped = _replay_drafts(trace, capped)[0]
+    monkeypatch.setattr(index, "DRAFT_READS", True)
+    assert _replay_drafts(trace, capped)[0] == python_capped != python
 
 
 def test_skipped_searches_change_no_draft(monkeypatch):

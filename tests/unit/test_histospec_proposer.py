@@ -10,7 +10,10 @@ pytestmark = pytest.mark.cpu
 
 
 def cfg(**kw):
-    base = dict(start_after=0, min_match=1, draft_rule="fixed", fixed_len=8, max_draft=16, include_global=False)
+    # Chains uncapped and sources compared unscaled: these tests read whole continuations;
+    # match_length_factor and match_confidence_tokens have tests of their own.
+    base = dict(start_after=0, min_match=1, draft_rule="fixed", fixed_len=8, max_draft=16, include_global=False,
+                match_length_factor=0.0, match_confidence_tokens=0.0)
     base.update(kw)
     return dataclasses.replace(HistoSpecConfig(), **base)
 
