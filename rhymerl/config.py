@@ -167,12 +167,12 @@ class HistoSpecConfig:
     # Sources' chains are compared at L / (L + this) of their expected accepted tokens (L: the
     # chain's match length), so a short match in a small index, whose few occurrences look
     # certain, loses to a longer match elsewhere; 0 = compared unscaled.
-    # The two together (1 and 4) replayed faster than both off on four SmolLM2 reasoning
-    # traces, at this CPU's step costs and at the 7B H100 config's (eight of eight, by
-    # 0.7-7.5%; bench histospec --trace T --max-len 8 against its ablation row
-    # match_confidence_tokens_0_length_factor_0), gave 1.44x rollout at equal lengths against
-    # 1.36x over eleven seeds in the RL loop (bench e2e), and tied in the temperature x
-    # concurrency sweep (README).
+    # The two together (1 and 4) replayed faster than both off on five SmolLM2 reasoning
+    # traces at this CPU's step costs and at the 7B H100 config's in eight of ten cases
+    # (geometric mean +2.1%, the two others -1.4% and -0.7%; bench histospec --trace T
+    # --max-len 8 against its ablation row match_confidence_tokens_0_length_factor_0), gave
+    # 1.44x rollout at equal lengths against 1.36x over eleven seeds in the RL loop (bench
+    # e2e), and tied in the temperature x concurrency sweep (README).
     match_confidence_tokens: float = 4.0
     fixed_len: int = 8
     max_draft: int = 16
@@ -241,6 +241,14 @@ class HistoSpecConfig:
     # goodput rule: prior acceptance multiplier a (P(accept) = min(1, a * history prob)) and its weight.
     acceptance_prior: float = 0.5
     acceptance_prior_weight: float = 4.0
+    # goodput rule: at each rollout (new weights) the acceptance learnt in earlier rollouts
+    # counts this many times (0: every rollout starts from the prior; 1: nothing is forgotten).
+    # Checkpoints keep it, so a resumed run drafts as the uninterrupted one. Replayed on five
+    # SmolLM2 reasoning traces at this CPU's and the 7B H100 config's step costs (bench
+    # histospec --acceptance-carry), 0.5 modelled faster than 0 in eight of ten cases
+    # (geometric mean +0.9%, -2.7% at worst; on the chain-sum trace at the CPU's costs 1.023x
+    # against a loss, 0.982x), and tied in the sweep (README).
+    acceptance_carry: float = 0.5
     # goodput rule: drafts stop at length_margin x the predicted response length (0 = no cap).
     length_margin: float = 1.5
     # goodput rule: a draft token is proposed only if its survival probability exceeds this.
@@ -817,6 +825,7 @@ def check_static(cfg: RunConfig) -> None:
     _require(h.draft_search_us >= 0, "histospec.draft_search_us", "must be >= 0")
     _require(0 < h.acceptance_prior <= 1, "histospec.acceptance_prior", "must be in (0, 1]")
     _require(h.acceptance_prior_weight > 0, "histospec.acceptance_prior_weight", "must be > 0")
+    _require(0 <= h.acceptance_carry <= 1, "histospec.acceptance_carry", "must be in [0, 1]")
     _require(h.length_margin >= 0, "histospec.length_margin", "must be >= 0 (0 = no cap)")
     _require(0 <= h.min_gain < 1, "histospec.min_gain", "must be in [0, 1)")
     _require(cfg.histopipe.num_groups >= 1, "histopipe.num_groups", "must be >= 1")

@@ -198,6 +198,10 @@ def _suffix_method(max_len: int) -> Method:
 
 
 class HistoSpecMethod(Method):
+    """HistoSpec's proposer replayed. Each replayed epoch is a rollout: the acceptance learnt
+    in the earlier ones carries over at ``histospec.acceptance_carry``'s weight, as the
+    trainer's does."""
+
     def __init__(self, cfg: HistoSpecConfig, name: str):
         self.name = name
         self.cfg = cfg
@@ -215,6 +219,7 @@ class HistoSpecMethod(Method):
             rewards = [r.reward for r in recs]
             self.store.add_group(prompt_key(_prompt_tokens(recs[0])), epoch, [r.token_ids for r in recs],
                                  None if any(x is None for x in rewards) else rewards)
+        self.prop.carry_acceptance()
 
     def begin(self, rid, rec):
         self.prop.begin(rid, prompt_key(_prompt_tokens(rec)), group=f"{self._epoch}:{rec.prompt_id}",
@@ -550,6 +555,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tree-nodes", type=int, default=32, help="node budget of histospec_tree")
     ap.add_argument("--ablations", choices=["none", "quick", "full"], default="quick")
     ap.add_argument("--no-forward-timing", action="store_true", help="skip timing the tiny model's forward (no torch import)")
+    ap.add_argument("--acceptance-carry", type=float, default=prior.acceptance_carry,
+                    help="weight the acceptance HistoSpec learnt in earlier epochs keeps at each replayed epoch, as at "
+                    "each of the trainer's rollouts (histospec.acceptance_carry; 0 = the prior again, 1 = all kept)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     if args.step_free_tokens < 0:
@@ -561,6 +569,10 @@ def main(argv: list[str]) -> int:
             return 2
     if not args.step_per_token_ms > 0:
         print(f"rhymerl bench histospec: --step-per-token-ms must be > 0 (got {args.step_per_token_ms})", file=sys.stderr)
+        return 2
+    if not 0.0 <= args.acceptance_carry <= 1.0:
+        print(f"rhymerl bench histospec: --acceptance-carry must be in [0, 1] (got {args.acceptance_carry})",
+              file=sys.stderr)
         return 2
     if args.step_ramp_requests < 1:
         print(f"rhymerl bench histospec: --step-ramp-requests must be >= 1 (got {args.step_ramp_requests})",
@@ -587,7 +599,8 @@ def main(argv: list[str]) -> int:
                                step_cost_per_token_ms=args.step_per_token_ms,
                                step_cost_per_drafting_request_ms=0.0,
                                step_cost_free_tokens=args.step_free_tokens,
-                               step_cost_draft_ramp_requests=args.step_ramp_requests)
+                               step_cost_draft_ramp_requests=args.step_ramp_requests,
+                               acceptance_carry=args.acceptance_carry)
     # The main rows use the settings this benchmark selects (see the min_match and
     # start_after ablations); the config's defaults are reported as an ablation row.
     chain_cfg = dataclasses.replace(base, max_draft=args.max_len, **RECOMMENDED)
@@ -720,7 +733,9 @@ def main(argv: list[str]) -> int:
               "ordering_tree>=chain>=suffix>=ngram>=1": order_ok,
               "histospec_settings": {k: getattr(chain_cfg, k) for k in ("draft_rule", "max_draft", "match_window", "min_match",
                                                               "min_prob", "start_after", "branch", "include_siblings",
-                                                              "include_global", "epochs_kept")},
+                                                              "include_global", "epochs_kept",
+                                                              "match_length_factor", "match_confidence_tokens",
+                                                              "acceptance_carry")},
               "wall_s": round(time.perf_counter() - t_start, 2)}
 
     print(_table("HistoSpec offline replay (greedy-exact; identical for sampled one-hot drafts)", methods, COLS), file=sys.stderr)

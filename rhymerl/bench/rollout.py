@@ -375,6 +375,9 @@ def _cell(eng, w: Workload, temperature: float, c: int, rep: int = 0, min_reques
 
     tot: dict = {}
     longest = []
+    # A cell is a run of its own: its waves carry HistoSpec's learnt acceptance from one to
+    # the next, as a trainer's rollouts do, but nothing comes from the cells run before it.
+    eng.reset_drafter()
     for k, wave in enumerate(_cell_waves(w, c, min_requests)):
         sp = SamplingSpec(temperature=temperature, top_p=w.rollout.top_p, top_k=w.rollout.top_k,
                           max_tokens=w.rollout.max_tokens, seed=w.seed + 7919 * c + 104_729 * rep + 1_299_709 * k)

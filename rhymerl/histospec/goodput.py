@@ -427,6 +427,30 @@ class AcceptanceTracker:
     def end(self, req: str) -> None:
         self._req.pop(req, None)
 
+    def carry(self, weight: float) -> None:
+        """A new rollout: the per-source evidence learnt so far counts ``weight`` times (0: the
+        prior stands again, 1: all of it stays); requests and the forecast start afresh."""
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"acceptance carry weight must be in [0, 1] (got {weight})")
+        if weight == 0.0:
+            self._src.clear()
+        else:
+            for table in self._src.values():
+                for row in table:
+                    row[0] *= weight
+                    row[1] *= weight
+        self._rates.clear()
+        self._req.clear()
+        self._forecast = [0.0, 0.0]
+
+    def state_dict(self) -> dict:
+        """The per-source evidence (what ``carry`` keeps), JSON-safe."""
+        return {"sources": {src: [list(row) for row in table] for src, table in self._src.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._src = {str(src): [[float(a), float(m)] for a, m in table] for src, table in state["sources"].items()}
+        self._rates.clear()
+
     def accepted_over_forecast(self) -> float:
         """Tokens accepted / the model's forecast for the positions verified (0 before any):
         how far the plan's expectations are from the outcomes. The plan drafts where its

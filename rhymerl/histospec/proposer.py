@@ -545,12 +545,22 @@ class DraftProposer:
             self.cost.observe_step(num_requests, num_scored_tokens, seconds, num_drafting_requests)
 
     def start_rollout(self) -> None:
-        """A new rollout (new policy weights): statistics and learnt acceptance start afresh,
-        so a rollout's drafts depend only on its own history and outcomes (a resumed run
-        replays them); the step-cost model carries over."""
+        """A new rollout (new policy weights): statistics start afresh, the acceptance learnt so
+        far counts ``histospec.acceptance_carry`` times (``acceptance_state`` is what a checkpoint
+        keeps of it, so a resumed run drafts as the uninterrupted one); the step-cost model
+        carries over."""
         self.reset_stats()
-        cfg = self.cfg
-        self.acceptance = AcceptanceTracker(cfg.acceptance_prior, cfg.acceptance_prior_weight)
+        self.carry_acceptance()
+
+    def carry_acceptance(self) -> None:
+        """The learnt acceptance into a new rollout, at ``histospec.acceptance_carry``'s weight."""
+        self.acceptance.carry(self.cfg.acceptance_carry)
+
+    def acceptance_state(self) -> dict:
+        return self.acceptance.state_dict()
+
+    def load_acceptance_state(self, state: dict) -> None:
+        self.acceptance.load_state_dict(state)
 
     def _chain_from(self, m: _Match, limit: int, conf_limit: int, walk):
         cfg = self.cfg

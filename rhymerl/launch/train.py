@@ -129,6 +129,8 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
         trainer._reshard()
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state["rng"])
+            # HistoSpec's learnt acceptance: the resumed run drafts as the uninterrupted one.
+            trainer.engine.load_drafter_state(loaded.rank_state.get("drafter"))
         run_id = loaded.state.get("wandb_run_id")
         if rank == 0:
             log.warning("resumed from %s at step %d", loaded.path, trainer.step)
@@ -142,7 +144,8 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
         blobs = trainer.state_blobs()
         history = blobs.pop("history")
         ckpt.save(trainer.step, {"trainer": blobs, "history": history, "wandb_run_id": tracker.run_id},
-                  rank_state={"rng": capture_rng_state()}, backend_save=trainer.backend.save_checkpoint,
+                  rank_state={"rng": capture_rng_state(), "drafter": trainer.engine.drafter_state()},
+                  backend_save=trainer.backend.save_checkpoint,
                   config=to_dict(cfg))
 
     # Only rank 0 asks Slurm; the decision reaches every rank through the step-end all-reduce.

@@ -581,10 +581,26 @@ class RolloutEngine:
         return results
 
     def start_rollout(self) -> None:
-        """A rollout under new weights begins: HistoSpec's learnt acceptance starts afresh (so a
-        rollout's drafts depend only on its own history and outcomes, and a resume replays them)."""
+        """A rollout under new weights begins: HistoSpec's acceptance learnt so far carries over
+        at ``histospec.acceptance_carry``'s weight (``drafter_state`` is what a checkpoint keeps)."""
         if self._core is not None:
             self._core.start_rollout()
+
+    def drafter_state(self) -> Optional[dict]:
+        """What HistoSpec learnt that outlives a rollout (its acceptance): this rank's part of a
+        checkpoint, so that a resumed run drafts as the uninterrupted one. None without HistoSpec."""
+        return self._core.acceptance_state() if self._core is not None else None
+
+    def reset_drafter(self) -> None:
+        """HistoSpec's learnt acceptance back to its prior, as a new run starts (a benchmark's
+        cells are measured independently of the cells before them)."""
+        if self._core is not None:
+            self._core.acceptance.carry(0.0)
+
+    def load_drafter_state(self, state: Optional[dict]) -> None:
+        """Restore ``drafter_state`` (after ``set_history``, which starts a new proposer)."""
+        if state is not None and self._core is not None:
+            self._core.load_acceptance_state(state)
 
     # -- request-level driving (a scheduler that moves requests between engines) -----------
     def submit(self, rid: str, prompt: list[int], sampling: SamplingSpec, seed: Optional[int], key: int,

@@ -32,6 +32,7 @@ def test_override_types_and_paths():
     ("histospec.tree=maybe", "histospec.tree"),
     ("histospec.match_length_factor=-1", "histospec.match_length_factor"),
     ("histospec.match_confidence_tokens=-1", "histospec.match_confidence_tokens"),
+    ("histospec.acceptance_carry=1.5", "histospec.acceptance_carry"),
     ("algo.name=grpo", None),
 ])
 def test_bad_overrides_name_the_key(override, needle):

@@ -114,6 +114,31 @@ def test_real_smollm2_trace_ordering():
     assert m["histospec_chain"] > 1.5, m
 
 
+def test_each_replayed_epoch_carries_the_acceptance_at_the_configured_weight():
+    """Replayed as the trainer drafts: each epoch is a rollout, into which the learnt
+    acceptance carries at histospec.acceptance_carry's weight (0: the prior again)."""
+    import dataclasses
+
+    from rhymerl.config import HistoSpecConfig
+    epochs = by_epoch(synthetic_trace(num_prompts=3, n=2, epochs=3, mean_len=40, seed=3))
+    rates, tpf = {}, {}
+    for carry in (0.0, 1.0):
+        m = bench.HistoSpecMethod(dataclasses.replace(HistoSpecConfig(), acceptance_carry=carry), "hs")
+        seen = rates[carry] = []
+        replay_epoch = m.observe
+
+        def observe(epoch, groups, m=m, seen=seen, replay_epoch=replay_epoch):
+            replay_epoch(epoch, groups)
+            seen.append(m.prop.acceptance.source_rate("history"))
+
+        m.observe = observe
+        tpf[carry] = bench.simulate(m, epochs, 8)["tokens_per_forward"]
+    prior = HistoSpecConfig().acceptance_prior
+    assert len(rates[0.0]) == 3 and all(r == prior for r in rates[0.0])
+    assert rates[1.0][0] == prior and all(r != prior for r in rates[1.0][1:])
+    assert tpf[0.0] != tpf[1.0]
+
+
 def test_modelled_step_time_charges_drafts_past_the_free_tokens(capsys):
     linear = bench.StepTime(0.05, 0.004, 0.002)
     knee = bench.StepTime(0.05, 0.004, 0.002, free_tokens=6)

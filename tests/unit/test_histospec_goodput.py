@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import random
 
 import numpy as np
@@ -149,16 +150,23 @@ def test_global_index_drafts_from_other_prompts():
     assert off.propose_step([("x", [21, 22], 4)])[0].tokens == []
 
 
-def test_prior_step_cost_ignores_timings_and_rollouts_start_afresh():
+def test_prior_step_cost_ignores_timings_and_rollouts_carry_the_acceptance_at_its_weight():
     store, cfg = _proposer(step_cost="prior")
     p = DraftProposer(store, cfg)
     for _ in range(50):
         p.observe_step(8, 40, 5.0)
     assert p.cost.coef == (cfg.step_cost_fixed_ms * 1e-3, cfg.step_cost_per_request_ms * 1e-3,
                            cfg.step_cost_per_token_ms * 1e-3, cfg.step_cost_per_drafting_request_ms * 1e-3)
-    p.acceptance.observe("a", "history", [1.0] * 4, 4)
-    p.start_rollout()
-    assert p.acceptance.source_rate("history") == cfg.acceptance_prior
+    rates = {}
+    for carry in (0.0, 0.5, 1.0):
+        q = DraftProposer(store, dataclasses.replace(cfg, acceptance_carry=carry))
+        q.acceptance.observe("a", "history", [1.0] * 4, 4)
+        learnt = q.acceptance.source_rate("history")
+        q.start_rollout()
+        rates[carry] = q.acceptance.source_rate("history")
+    a, w, prior = 1.0, cfg.acceptance_prior_weight, cfg.acceptance_prior
+    assert rates[0.0] == prior and rates[1.0] == learnt == pytest.approx((a + w * prior) / (1.0 + w))
+    assert rates[0.5] == pytest.approx((0.5 * a + w * prior) / (0.5 + w))
     m = DraftProposer(store, dataclasses.replace(cfg, step_cost="measured"))
     for _ in range(50):
         m.observe_step(8, 40, 5.0)
@@ -650,3 +658,21 @@ def test_acceptance_vs_forecast_compares_outcomes_with_the_models_own_forecasts(
         t.observe(req, "history", q, acc)
     assert t.accepted_over_forecast() == pytest.approx(accepted / forecast)
     assert t.state()["acceptance_vs_forecast"] == pytest.approx(accepted / forecast, abs=1e-4)
+
+
+def test_acceptance_carry_scales_the_evidence_and_its_state_round_trips():
+    t = AcceptanceTracker(prior=0.5, prior_weight=4.0)
+    t.observe("a", "history", [0.8, 0.6, 0.5], 2)
+    t.observe("b", "group", [1.0, 1.0], 0)
+    state = t.state_dict()
+    assert state == {"sources": {"history": [[1.0, 0.8], [1.0, 0.6], [0.0, 0.5]], "group": [[0.0, 1.0]]}}
+    restored = AcceptanceTracker(prior=0.5, prior_weight=4.0)
+    restored.load_state_dict(json.loads(json.dumps(state)))
+    assert restored.source_rates("history", 3) == t.source_rates("history", 3)
+    t.carry(0.5)
+    assert t.state_dict() == {"sources": {"history": [[0.5, 0.4], [0.5, 0.3], [0.0, 0.25]], "group": [[0.0, 0.5]]}}
+    assert t.request_factor("a") == 1.0 and t.accepted_over_forecast() == 0.0
+    t.carry(0.0)
+    assert t.state_dict() == {"sources": {}} and t.source_rate("history") == 0.5
+    with pytest.raises(ValueError, match="carry weight"):
+        t.carry(1.5)
