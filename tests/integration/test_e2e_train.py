@@ -124,7 +124,10 @@ def test_two_ranks_tp2_reshards_and_drafts(tmp_path):
 def test_two_ranks_one_rollout_engine_across_both_tp2(tmp_path):
     """rollout.tensor_parallel=2 on 2 data-parallel training ranks: one vLLM engine spans both
     ranks (vLLM's external launcher), weights resharded from the training layout into it."""
-    rows = train(tmp_path, *SMALL, "model.path=builtin:tiny", "rollout.tensor_parallel=2", nproc=2)
+    # The random tiny model's drafts mostly fail: carried into epoch 2, that learnt acceptance
+    # may price every draft out, while this test is about the proposer running on both ranks.
+    rows = train(tmp_path, *SMALL, "model.path=builtin:tiny", "rollout.tensor_parallel=2",
+                 "histospec.acceptance_carry=0", nproc=2)
     assert [r["epoch"] for r in rows] == [0, 0, 1, 1]
     assert all(r["rollout/instances"] == 1 and r["rollout/responses"] == 16 for r in rows), rows
     assert all(r["train/logprob_max_abs"] < 1e-3 for r in rows), [r["train/logprob_max_abs"] for r in rows]
