@@ -552,9 +552,10 @@ class DraftProposer:
         self.reset_stats()
         self.carry_acceptance()
 
-    def carry_acceptance(self) -> None:
-        """The learnt acceptance into a new rollout, at ``histospec.acceptance_carry``'s weight."""
-        self.acceptance.carry(self.cfg.acceptance_carry)
+    def carry_acceptance(self, weight: Optional[float] = None) -> None:
+        """The learnt acceptance into a new rollout, at ``weight`` (by default
+        ``histospec.acceptance_carry``; 0 forgets it)."""
+        self.acceptance.carry(self.cfg.acceptance_carry if weight is None else weight)
 
     def acceptance_state(self) -> dict:
         return self.acceptance.state_dict()

@@ -595,7 +595,7 @@ class RolloutEngine:
         """HistoSpec's learnt acceptance back to its prior, as a new run starts (a benchmark's
         cells are measured independently of the cells before them)."""
         if self._core is not None:
-            self._core.acceptance.carry(0.0)
+            self._core.carry_acceptance(0.0)
 
     def load_drafter_state(self, state: Optional[dict]) -> None:
         """Restore ``drafter_state`` (after ``set_history``, which starts a new proposer)."""

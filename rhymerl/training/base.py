@@ -6,7 +6,7 @@ resharding are backend-agnostic. Process groups are passed in explicitly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterator, Optional, Protocol
 
@@ -31,12 +31,9 @@ class PolicyBatch:
     engine_logprobs: Optional[torch.Tensor] = None  # [B, T], from the rollout engine (correctness signal)
 
     def rows(self, index: torch.Tensor) -> "PolicyBatch":
-        """The batch of rows ``index`` (a 1-D index tensor), every row-aligned field alike."""
-        def pick(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if t is None else t[index]
-
-        return PolicyBatch(self.input_ids[index], self.response_mask[index], self.advantages[index],
-                           pick(self.old_logprobs), pick(self.ref_logprobs), pick(self.engine_logprobs))
+        """The batch of rows ``index`` (a 1-D index tensor): every field is one per row."""
+        return replace(self, **{f.name: None if (t := getattr(self, f.name)) is None else t[index]
+                                for f in fields(self)})
 
 
 @dataclass

@@ -13,7 +13,9 @@ from typing import Callable
 
 import torch
 
+from rhymerl.algorithms.losses import policy_loss, rows_without_loss
 from rhymerl.config import AlgorithmConfig
+from rhymerl.training.microbatch import row_lengths
 
 # Keys of the engine/trainer agreement in a micro-batch's metrics (merged as max / token mean).
 ENGINE_DIFF_MAX = "engine_lp_diff_max"
@@ -52,9 +54,6 @@ def rows_to_train(batch, cfg: AlgorithmConfig, loss_fn: Callable):
     stays (its loss and gradient are zero): the step then still runs its schedule, the same
     collectives on every rank, the optimiser's update (Adam's moments move the weights even
     at a zero gradient) and the engine/trainer log-prob check, at the price of one row."""
-    from rhymerl.algorithms.losses import policy_loss, rows_without_loss
-    from rhymerl.training.microbatch import row_lengths
-
     if loss_fn is not policy_loss or not cfg.skip_zero_advantage_rows:
         return batch, 0
     idle = rows_without_loss(batch.advantages, batch.response_mask, cfg, batch.ref_logprobs is not None)
