@@ -100,7 +100,16 @@ def main(argv: list[str] | None = None) -> int:
                 except ConfigError as e:
                     print(f"rhymerl: config error: {e}", file=sys.stderr)
                     return 2
+            from rhymerl.memory_plan import MemoryPlanError, planned_table
+
+            try:
+                table = planned_table(cfg, cfg.parallel.world_size or max(cfg.slurm.nodes * cfg.slurm.gpus_per_node, 1))
+            except MemoryPlanError as e:
+                print(f"rhymerl: {e}", file=sys.stderr)
+                return 2
             sys.stdout.write(to_yaml(cfg))
+            # As YAML comments: the output stays a config that loads.
+            sys.stdout.write("".join(f"# {line}\n" for line in table.splitlines()))
             return 0
         return _dispatch(("rhymerl.launch.train", "run_from_config", ""), [args.config, *args.overrides], "train")
     if args.cmd == "bench":

@@ -30,13 +30,82 @@ def declare_backend_device(backend: str, device: Optional[Any]) -> None:
         _declared[backend] = torch.device(device)
 
 
+class DeviceBindingError(RuntimeError):
+    """A rank cannot be bound to its own GPU, or is no longer on it; the message says why."""
+
+
+# The GPU this rank computes on, set once by bind_rank_device before anything touches CUDA.
+_rank_cuda: Optional[torch.device] = None
+
+
+def visible_device_count(cuda_visible_devices: Optional[str], device_count: int) -> int:
+    """GPUs this process sees: the entries of CUDA_VISIBLE_DEVICES when set, else the driver's count."""
+    if cuda_visible_devices is None:
+        return device_count
+    return len([d for d in cuda_visible_devices.split(",") if d.strip()])
+
+
+def rank_cuda_index(local_rank: int, visible: int, cuda_visible_devices: Optional[str] = None) -> int:
+    """The index of the GPU a rank computes on: ``local_rank`` when the task sees every GPU of
+    its node, 0 when it was given exactly one (per-task binding)."""
+    shown = f" (CUDA_VISIBLE_DEVICES={cuda_visible_devices})" if cuda_visible_devices is not None else ""
+    if visible < 1:
+        raise DeviceBindingError(f"rank with LOCAL_RANK={local_rank} sees no GPU{shown}: a CUDA run needs one "
+                                 "GPU per rank (check the job's --gpus-per-node and the node's driver)")
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        raise DeviceBindingError(f"LOCAL_RANK={local_rank} but this task sees {visible} GPUs{shown}: give every "
+                                 "task all the node's GPUs (srun --gpu-bind=none) or exactly one")
+    return local_rank
+
+
+def set_rank_device(device: Optional[torch.device]) -> None:
+    """Record the GPU this rank computes on (None forgets it)."""
+    global _rank_cuda
+    _rank_cuda = None if device is None else torch.device(device)
+
+
+def rank_device() -> Optional[torch.device]:
+    """The GPU this rank bound itself to, or None before binding (and on CPU ranks)."""
+    return _rank_cuda
+
+
+def bind_rank_device(local_rank: int) -> torch.device:
+    """Make ``cuda:i`` (``rank_cuda_index``) this process's current device before anything else
+    touches CUDA, and remember it. With one GPU visible, LOCAL_RANK becomes 0 as well: vLLM's
+    external launcher takes its device index from it."""
+    import os
+
+    visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    index = rank_cuda_index(local_rank, visible_device_count(visible_env, torch.cuda.device_count()), visible_env)
+    if index != local_rank:
+        os.environ["LOCAL_RANK"] = str(index)
+    torch.cuda.set_device(index)
+    device = torch.device("cuda", index)
+    set_rank_device(device)
+    return device
+
+
+def check_rank_device(where: str) -> None:
+    """Fail with one line when the current CUDA device is no longer the rank's own (a library
+    that set another one would put this rank's later allocations on a GPU it shares)."""
+    if _rank_cuda is None:
+        return
+    current = torch.cuda.current_device()
+    if current != _rank_cuda.index:
+        raise DeviceBindingError(f"{where}: the current CUDA device is cuda:{current}, but this rank "
+                                 f"(LOCAL_RANK={_rank_cuda.index}) computes on {_rank_cuda}")
+
+
 def native_backend_device(backend: str) -> torch.device:
-    """The device ``backend`` takes without any declaration (CUDA: this rank's current device)."""
+    """The device ``backend`` takes without any declaration (CUDA: the rank's own GPU, not
+    whichever device is current)."""
     kind = BACKEND_DEVICE_TYPES.get(backend)
     if kind is None:
         raise ValueError(f"unknown torch.distributed backend {backend!r}; known: {', '.join(BACKEND_DEVICE_TYPES)}")
     if kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
+        return _rank_cuda if _rank_cuda is not None else torch.device("cuda", torch.cuda.current_device())
     return torch.device(kind)
 
 

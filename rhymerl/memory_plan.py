@@ -1,20 +1,26 @@
-"""Start-up estimate of one device's memory in a colocated run, and the fit check.
+"""Start-up estimate of one device's memory in a colocated run, phase by phase, and the fit check.
 
 Each rank holds a training shard and a rollout engine on one device, time-shared
-(``rhymerl.colocation``): the engine sleeps while the trainer trains, and the trainer's
-gradients and optimizer state leave the device while the engine generates. So the device
-must hold the larger of two phases:
+(``rhymerl.colocation``). The device must get through every boundary of that timeline:
 
+- engine build: the policy's weights are resident (gradients, optimizer state and the KL
+  reference were offloaded first), and vLLM refuses to start unless the device's *free*
+  memory is at least ``rollout.gpu_memory_utilization`` x its total (vLLM's own rule, in
+  its units: the total as CUDA reports it). The engine's NCCL buffers (rollout TP > 1) are
+  allocated before vLLM measures, so they count against the free memory too;
+- rollout: the policy's weights + the engine's share (weights, activations, CUDA graphs,
+  KV cache) + its NCCL buffers;
 - training: weights + gradients + optimizer state (+ master weights in mixed precision)
-  + activations and logits of one micro-batch + the frozen reference copy (KL) + what a
-  sleeping engine keeps (nothing at sleep levels 1 and 2; everything at 0);
-- rollout: the trainer's weights (and reference copy) + the engine's share of the device
-  (``rollout.gpu_memory_utilization``: its weights, activations and the KV cache).
+  + activations and logits of one micro-batch + the reference copy (KL) + what a sleeping
+  engine keeps (its CUDA graph pool and NCCL buffers; everything at sleep level 0);
+- wake: the engine's weights come back next to what it kept while asleep, and the reshard
+  streams the trainer's weights in (one bucket and the largest gathered tensor).
 
-plus ``memory.reserve_gb`` (CUDA context, NCCL buffers, allocator fragmentation). A plan that
-does not fit is refused before anything is built, naming the keys that change it. The figures
-are estimates (formulas below); they are meant to catch plans that are off by tens of GB, not
-to predict the allocator to the megabyte.
+plus ``memory.reserve_gb`` on every phase (CUDA context, the trainer's NCCL buffers, allocator
+fragmentation). A plan that does not fit is refused before anything is built, naming the
+phase, the shortfall and the keys that change it. The figures are estimates (formulas
+below); they are meant to catch plans that are off by gigabytes, not to predict the
+allocator to the megabyte.
 """
 
 from __future__ import annotations
@@ -62,37 +68,73 @@ def kv_bytes_per_token(m: ModelLayout, dtype_bytes: int, tp: int) -> float:
     return 2 * m.num_layers * m.num_kv_heads * m.head_dim * dtype_bytes / tp
 
 
+# A sleeping engine keeps its CUDA graphs (vLLM's sleep releases only the weights and KV cache
+# pools; graphs of decode batches up to max_num_seqs) and its NCCL communicators' buffers.
+GRAPH_POOL_BYTES = 2 * GB
+ENGINE_NCCL_BYTES = 1 * GB
+# The reshard's transient: one bucket of gathered tensors (the trainer's RESHARD_BUCKET_BYTES).
+RESHARD_BUCKET_BYTES = 64 << 20
+
+
+@dataclass
+class Phase:
+    """One boundary of the timeline: what is resident, and what it may use."""
+
+    name: str
+    parts: dict[str, float]
+    limit: float
+    rule: str = ""
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def headroom(self) -> float:
+        return self.limit - self.total
+
+
 @dataclass
 class MemoryPlan:
-    """Bytes per device, by component and phase."""
+    """Bytes per device, by phase."""
 
     device_bytes: float
     reserve_bytes: float
-    training: dict[str, float] = field(default_factory=dict)
-    rollout: dict[str, float] = field(default_factory=dict)
+    phases: list[Phase] = field(default_factory=list)
     kv_cache_bytes: float = 0.0
     kv_needed_bytes: float = 0.0
 
+    def phase(self, name: str) -> Phase:
+        return next(p for p in self.phases if p.name == name)
+
+    @property
+    def training(self) -> dict[str, float]:
+        return self.phase("training").parts
+
     @property
     def training_total(self) -> float:
-        return sum(self.training.values()) + self.reserve_bytes
+        return self.phase("training").total
 
     @property
     def rollout_total(self) -> float:
-        return sum(self.rollout.values()) + self.reserve_bytes
+        return self.phase("rollout").total
 
     def table(self) -> str:
-        rows = [f"per-device memory plan (GB; device {self.device_bytes / GB:.1f}, reserve {self.reserve_bytes / GB:.1f}):"]
-        for phase, parts, total in (("training", self.training, self.training_total),
-                                    ("rollout", self.rollout, self.rollout_total)):
-            rows.append(f"  {phase}: {total / GB:.1f} = " + " + ".join(f"{k} {v / GB:.1f}" for k, v in parts.items()))
+        rows = [f"per-device memory plan (GB = 1e9 bytes; device {self.device_bytes / GB:.1f}, "
+                f"reserve {self.reserve_bytes / GB:.1f} in every phase):",
+                f"  {'phase':<13}{'resident':>9}{'limit':>8}{'headroom':>10}  what"]
+        for p in self.phases:
+            what = " + ".join(f"{k} {v / GB:.1f}" for k, v in p.parts.items() if v)
+            rows.append(f"  {p.name:<13}{p.total / GB:>9.1f}{p.limit / GB:>8.1f}{p.headroom / GB:>10.1f}  {what}"
+                        + (f"  [{p.rule}]" if p.rule else ""))
         rows.append(f"  engine KV cache {self.kv_cache_bytes / GB:.1f} (one max_model_len sequence needs "
                     f"{self.kv_needed_bytes / GB:.2f})")
         return "\n".join(rows)
 
 
 def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> MemoryPlan:
-    """The plan of one device for ``cfg`` (a RunConfig) on ``world_size`` ranks of ``device_bytes`` each."""
+    """The plan of one device for ``cfg`` (a RunConfig) on ``world_size`` ranks of ``device_bytes``
+    each (the total as CUDA reports it: vLLM's unit)."""
     p, r, a = cfg.parallel, cfg.rollout, cfg.algo
     tp, pp = p.tensor_parallel, p.pipeline_parallel
     dp = max(world_size // (tp * pp), 1)
@@ -131,38 +173,62 @@ def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> Me
     else:
         activations = activations_of(tokens, False)
     logits = tokens * size.vocab_size / tp * LOGIT_COPIES_BYTES
-    training = {"weights": shard * wb, "grads": shard * 4, "optimizer": shard * opt_per_param / opt_share,
-                "activations": activations, "logits": logits}
-    resident = {"weights": shard * wb}
-    if a.kl_coef > 0:
-        training["reference"] = shard * wb
-        resident["reference"] = shard * wb
+    reserve = cfg.memory.reserve_gb * GB
+    weights = shard * wb
     engine_share = r.gpu_memory_utilization * device_bytes
     engine_weights = n * wb / r.tensor_parallel
+    engine_nccl = ENGINE_NCCL_BYTES if r.tensor_parallel > 1 else 0.0
+    graphs = 0.0 if r.enforce_eager else GRAPH_POOL_BYTES
+    asleep = {"engine graphs": graphs, "engine NCCL": engine_nccl}
+    training = {"weights": weights, "grads": shard * 4, "optimizer": shard * opt_per_param / opt_share,
+                "activations": activations, "logits": logits}
+    if a.kl_coef > 0:
+        training["reference"] = weights
     if r.sleep_level == 0:
-        training["engine (awake)"] = engine_share
-    plan = MemoryPlan(device_bytes=device_bytes, reserve_bytes=cfg.memory.reserve_gb * GB, training=training,
-                      rollout={**resident, "engine": engine_share})
+        training.update({"engine (awake)": engine_share, "engine NCCL": engine_nccl})
+    else:
+        training.update(asleep)
+    # The reshard gathers each full tensor; the largest is the (vocabulary x hidden) embedding.
+    largest = size.vocab_size * size.hidden_size * wb
+    phases = [
+        Phase("engine build", {"weights": weights, "engine NCCL": engine_nccl, "reserve": reserve},
+              device_bytes - engine_share,
+              f"vLLM: free >= gpu_memory_utilization {r.gpu_memory_utilization} x {device_bytes / GB:.1f}"),
+        Phase("rollout", {"weights": weights, "engine": engine_share, "engine NCCL": engine_nccl,
+                          "reserve": reserve}, device_bytes),
+        Phase("training", {**training, "reserve": reserve}, device_bytes),
+        Phase("wake", {"weights": weights, "engine weights": engine_weights, **asleep,
+                       "reshard": RESHARD_BUCKET_BYTES + largest, "reserve": reserve}, device_bytes),
+    ]
+    plan = MemoryPlan(device_bytes=device_bytes, reserve_bytes=reserve, phases=phases)
     # vLLM's own activation peak during profiling: one batch of max_num_batched_tokens.
     engine_act = max(r.max_model_len, 2048) * (h * 4 * wb + size.vocab_size * 4 / r.tensor_parallel)
-    plan.kv_cache_bytes = engine_share - engine_weights - engine_act
+    plan.kv_cache_bytes = engine_share - engine_weights - engine_act - graphs
     plan.kv_needed_bytes = r.max_model_len * kv_bytes_per_token(size, wb, r.tensor_parallel)
     return plan
 
 
+# What changes each phase's footprint, named in its refusal.
+PHASE_KEYS = {
+    "engine build": "lower rollout.gpu_memory_utilization (the engine asks for that share of the device free, "
+                    "next to the trainer's weights) or raise parallel.tensor_parallel / parallel.pipeline_parallel",
+    "rollout": "lower rollout.gpu_memory_utilization (the trainer's weights stay on the device) or raise "
+               "parallel.tensor_parallel",
+    "training": "raise parallel.tensor_parallel or parallel.pipeline_parallel, set parallel.distributed_optimizer=true "
+                "or parallel.recompute_activations=true, lower algo.micro_batch_tokens (or rollout.max_model_len, "
+                "the longest sequence), or set rollout.sleep_level to 1 or 2",
+    "wake": "raise rollout.tensor_parallel (the engine's weights per device) or parallel.tensor_parallel",
+}
+
+
 def check(plan: MemoryPlan) -> None:
-    """Raise MemoryPlanError naming the keys to change when the plan cannot fit."""
-    cap = plan.device_bytes
+    """Raise MemoryPlanError naming each phase that cannot fit, its shortfall and the keys to change."""
     problems = []
-    if plan.training_total > cap:
-        problems.append(
-            f"training needs {plan.training_total / GB:.1f} GB of {cap / GB:.1f} GB: raise parallel.tensor_parallel or "
-            "parallel.pipeline_parallel, set parallel.distributed_optimizer=true or parallel.recompute_activations=true, "
-            "lower algo.micro_batch_tokens (or rollout.max_model_len, the longest sequence), or set rollout.sleep_level=2")
-    if plan.rollout_total > cap:
-        problems.append(
-            f"rollout needs {plan.rollout_total / GB:.1f} GB of {cap / GB:.1f} GB: lower rollout.gpu_memory_utilization "
-            "(the trainer's weights stay on the device) or raise parallel.tensor_parallel")
+    for ph in plan.phases:
+        if ph.total > ph.limit:
+            problems.append(f"{ph.name} needs {ph.total / GB:.1f} GB where {ph.limit / GB:.1f} GB may be used "
+                            f"({(ph.total - ph.limit) / GB:.1f} GB short{'; ' + ph.rule if ph.rule else ''}): "
+                            f"{PHASE_KEYS[ph.name]}")
     if plan.kv_cache_bytes < plan.kv_needed_bytes:
         problems.append(
             f"the engine's KV cache ({plan.kv_cache_bytes / GB:.2f} GB after its weights) cannot hold one "
@@ -182,12 +248,13 @@ def check_run(cfg, model_path, world_size: int, device) -> "MemoryPlan | None":
     import logging
     from pathlib import Path
 
-    if cfg.memory.device_gb:
-        cap = cfg.memory.device_gb * GB
-    elif getattr(device, "type", "cpu") == "cuda":
+    if getattr(device, "type", "cpu") == "cuda":
         import torch
 
+        # The device's own total: what vLLM applies gpu_memory_utilization to.
         cap = float(torch.cuda.get_device_properties(device).total_memory)
+    elif cfg.memory.device_gb:
+        cap = cfg.memory.device_gb * GB
     else:
         return None
     size = ModelLayout.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
@@ -196,6 +263,24 @@ def check_run(cfg, model_path, world_size: int, device) -> "MemoryPlan | None":
     if cfg.memory.check:
         check(plan)
     return plan
+
+
+def planned_table(cfg, world_size: int) -> str:
+    """The plan of ``cfg`` for ``--print-config`` (no device needed: ``memory.device_gb``), or a
+    line saying what it needs; raises MemoryPlanError when the plan cannot fit."""
+    import json
+    from pathlib import Path
+
+    if not cfg.memory.device_gb:
+        return "memory plan: set memory.device_gb to plan a GPU device's memory (CPU hosts have no per-device budget)"
+    folder = Path(cfg.model.path).expanduser()
+    if not (folder / "config.json").is_file():
+        return f"memory plan: needs the model's shape ({folder / 'config.json'} is not readable here)"
+    size = ModelLayout.from_hf_config(json.loads((folder / "config.json").read_text()))
+    plan = estimate(cfg, size, world_size, cfg.memory.device_gb * GB)
+    if cfg.memory.check:
+        check(plan)
+    return plan.table()
 
 
 # vLLM's KV block size on CPU: a sequence's last block is allocated whole.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -108,9 +109,13 @@ class Trainer:
         self.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
         # One rollout instance per rollout.tensor_parallel consecutive ranks (one vLLM engine
         # across them); every rank of an instance runs the same requests.
+        from rhymerl.rollout.layout import engine_layout
+
         rtp = cfg.rollout.tensor_parallel
-        self.num_instances = comm.world_size // rtp
-        self.instance, self.engine_rank = divmod(comm.rank, rtp)
+        self.layout = engine_layout(comm.world_size, comm.rank, int(os.environ.get("LOCAL_RANK", "0")), rtp,
+                                    ranks_per_node=_ranks_per_node())
+        self.num_instances, self.instance, self.engine_rank = (self.layout.num_instances, self.layout.instance,
+                                                               self.layout.engine_rank)
         if cfg.histopipe.enabled:
             self.planner = HistoPipePlanner(cfg.histopipe, self.num_instances, cfg.rollout.max_num_seqs)
         else:
@@ -146,22 +151,24 @@ class Trainer:
                                       and cfg.tracking.progress_interval_s > 0)
         self.backend.progress = self.progress
         train_threads = torch.get_num_threads()
-        self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + self.instance,
-                                    progress=self.progress if comm.rank == 0 else None,
-                                    history=self.history, dtype=cfg.model.dtype,
-                                    cpu_kv_cache_bytes=self._cpu_kv_cache_bytes(),
-                                    distributed=rtp > 1, tensor_parallel_size=rtp if rtp > 1 else None)
         from rhymerl.colocation import Colocation
         from rhymerl.devices import free_memory_probe, host_heap_trimmer
 
+        on_cpu = groups.device.type == "cpu"
+        self.colocation = Colocation(self.backend, cfg.rollout.sleep_level, references=[self.ref_backend],
+                                     device_free_bytes=free_memory_probe(groups.device),
+                                     trim_heap=host_heap_trimmer() if on_cpu else None)
+        # What training alone needs leaves the device before vLLM checks its free memory.
+        self.colocation.before_engine_build()
+        self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + self.instance,
+                                    progress=self.progress if comm.rank == 0 else None,
+                                    history=self.history, dtype=cfg.model.dtype,
+                                    cpu_kv_cache_bytes=self._cpu_kv_cache_bytes(), layout=self.layout)
         # The engine decodes with the process's threads; were its threads ever fewer, training
         # would get its own back.
-        rollout_threads = self.engine.cpu_threads or train_threads
-        self.colocation = Colocation(self.engine, self.backend, cfg.rollout.sleep_level,
-                                     device_free_bytes=free_memory_probe(groups.device),
-                                     cpu_threads=(train_threads, rollout_threads) if groups.device.type == "cpu"
-                                     and train_threads != rollout_threads else None,
-                                     trim_heap=host_heap_trimmer() if groups.device.type == "cpu" else None)
+        if on_cpu:
+            self.colocation.share_cpu_threads(train_threads, self.engine.cpu_threads or train_threads)
+        self.colocation.attach_engine(self.engine)
         self.rewards = self._start_rewards(RewardPool)
         from rhymerl.algorithms import DynamicSamplingBuffer
 
@@ -256,11 +263,11 @@ class Trainer:
                             seed=request_seed(cfg.run.seed, self.step, self.instance, round_))
         t1 = time.perf_counter()
         # Siblings of a group share a group id, so HistoSpec can draft from in-flight siblings.
-        # Engines in vLLM's lock-step (several TP instances) step even without requests.
+        # An instance without requests does not step: each instance generates on its own.
         gid = f"{self.step}:" if round_ == 0 else f"{self.step}.{round_}:"
         results = self.engine.generate(prompts, 1, spec, group_ids=[f"{gid}{g}" for g, _ in mine], epoch=epoch,
                                        record_history=False, predicted_lengths=self._spec_lengths(plan, mine, batch_indices)
-                                       ) if prompts or self.engine.lockstep else []
+                                       ) if prompts else []
         t_gen = time.perf_counter() - t1
         local = []
         for (g, s), res in zip(mine, results):
@@ -299,6 +306,10 @@ class Trainer:
             # Engines that answered (one per rollout.tensor_parallel ranks).
             "rollout/instances": len(gathered),
         }
+        # Each instance steps for its own requests only: its steps and seconds, side by side.
+        for i, (_, m, t) in enumerate(gathered):
+            metrics[f"rollout/engine_steps/{i}"] = int(m.get("engine_steps", 0))
+            metrics[f"rollout/instance_s/{i}"] = t
         if self.engine.cpu_threads is not None:
             # Intra-op threads the CPU engine decoded with (the process's: training's).
             metrics["rollout/cpu_threads"] = self.engine.cpu_threads
@@ -446,7 +457,9 @@ class Trainer:
         self.progress.context = f"step {self.step}"
         batch = self.sampler.next_batch()
         idx = batch.indices
+        reshard_m = self.colocation.before_rollout(self._reshard)
         samples, metrics = self._rollout(idx, batch.epoch)
+        metrics.update(reshard_m)
         metrics.update(self._score(samples, idx))
         self._record_history(samples, idx, batch.epoch)
         self._prebuild_next_indexes()
@@ -464,9 +477,7 @@ class Trainer:
             self.colocation.before_training()
             metrics.update(self._train(samples, adv))
             self.colocation.after_training()
-            metrics.update(self._reshard())
-            self.colocation.before_rollout()
-            metrics.update(self.colocation.step_metrics())
+        metrics.update(self.colocation.step_metrics())
         lengths = [len(s.token_ids) for s in samples]
         gen_tokens = metrics.get("rollout/generated_tokens", sum(lengths))
         metrics.update({
@@ -528,7 +539,7 @@ class Trainer:
 
 # Figures of one rollout batch that add up over DAPO's refill rounds; ratios are recomputed.
 _ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "rollout/responses", "rollout/generated_tokens",
-                      "histospec/source/")
+                      "rollout/engine_steps/", "rollout/instance_s/", "histospec/source/")
 _ADDITIVE_SPEC = ("draft_proposed", "draft_accepted", "target_forwards", "generated_tokens", "draft_time_s",
                   *STAT_COUNTS)
 
@@ -569,10 +580,15 @@ def _sum_engine_metrics(ms: list[dict]) -> dict:
     return out
 
 
+def _ranks_per_node() -> Optional[int]:
+    """Ranks on this node, from torchrun's or Slurm's environment (None when neither says)."""
+    text = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "")
+    text = text.split("(")[0]
+    return int(text) if text.isdigit() else None
+
+
 def _history_budget(cfg: RunConfig, num_prompts: int) -> int:
     """histospec.token_budget, or (0) one sized from the dataset and this node's memory."""
-    import os
-
     from rhymerl.histospec.budget import available_memory_bytes, plan_token_budget
 
     h = cfg.histospec

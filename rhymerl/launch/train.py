@@ -101,16 +101,15 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
     import torch
 
     from rhymerl.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
-    from rhymerl.collectives import WorldComm
     from rhymerl.trainer import Trainer
     from rhymerl.tracking import Tracker
-    from rhymerl.training.process_groups import init_process_groups
+    from rhymerl.training.process_groups import init_process_groups, world_comm
 
     if cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
     _seed_everything(cfg.run.seed + rank)
     groups = init_process_groups(cfg.parallel, world_size, rank)
-    comm = WorldComm(rank=rank, world_size=world_size)
+    comm = world_comm(groups)
     run_dir = Path(cfg.run.output_dir)
     # Collective: a bad checkpoint.resume raises on every rank; files are verified once, in parallel.
     ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank, world_size, barrier=comm.barrier,
@@ -124,9 +123,8 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
     run_id = None
     if loaded is not None:
         trainer.load_state_blobs({**loaded.state["trainer"], "history": loaded.state["history"]})
+        # The first step's rollout streams these weights into the engine (colocation).
         trainer.backend.load_checkpoint(loaded.backend_dir)
-        # The engine must serve the checkpoint's weights, not the initial ones.
-        trainer._reshard()
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state["rng"])
             # HistoSpec's learnt acceptance: the resumed run drafts as the uninterrupted one.
@@ -211,10 +209,11 @@ def run_from_config(argv: list[str], preempt=None) -> int:
     except ConfigError as e:
         print(f"rhymerl: config error: {e}", file=sys.stderr)
         return 2
-    from rhymerl.versions import VersionMismatch, check_runtime_versions
+    from rhymerl.versions import VersionMismatch, check_runtime_versions, check_torch_build
 
     try:
         check_runtime_versions()
+        check_torch_build(wants_cuda=cfg.parallel.dist_backend == "nccl" or cfg.slurm.gpus_per_node > 0)
     except VersionMismatch as e:
         print(f"rhymerl: {e}", file=sys.stderr)
         return 2

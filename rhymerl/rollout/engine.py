@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from rhymerl.config import HistoSpecConfig, RolloutConfig
+from rhymerl.rollout.layout import EngineLayout
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +297,61 @@ def _drafter_of(worker: Any) -> Any:
     return getattr(_runner_of(worker), "drafter", None)
 
 
+def speculative_config(cfg: RolloutConfig) -> Optional[dict]:
+    """vLLM's speculative_config for ``rollout.speculative``."""
+    k = cfg.num_speculative_tokens
+    if cfg.speculative == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": NGRAM_MIN,
+                "prompt_lookup_max": NGRAM_MAX}
+    if cfg.speculative == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    if cfg.speculative == "histospec":
+        return {"method": "custom_class", "model": HISTOSPEC_CLASS, "num_speculative_tokens": k}
+    return None
+
+
+def vllm_engine_args(cfg: RolloutConfig, model_path: Path, text_cfg: dict, seed: int, dtype: str,
+                     layout: EngineLayout, on_cpu: bool, cpu_kv_cache_bytes: Optional[int] = None) -> dict:
+    """The arguments of ``vllm.LLM`` for this rank's engine."""
+    max_len = cfg.max_model_len
+    mpe = text_cfg.get("max_position_embeddings")
+    if mpe and max_len > int(mpe):
+        logger.info("rollout.max_model_len %d exceeds the model's %d positions; using %d", max_len, mpe, mpe)
+        max_len = int(mpe)
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path), tokenizer=str(model_path), dtype=dtype, seed=seed,
+        max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
+        speculative_config=speculative_config(cfg), disable_log_stats=True,
+        # Log-probs of the distribution actually sampled (after temperature): the one the
+        # trainer's importance ratios and the engine/trainer mismatch check are defined on.
+        logprobs_mode="processed_logprobs",
+    )
+    if on_cpu:
+        # rollout.cpu_kv_cache_gb when set; else the caller's sizing of the run's need.
+        kv = cfg.cpu_kv_cache_gb * GiB if cfg.cpu_kv_cache_gb else (cpu_kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+        kwargs["kv_cache_memory_bytes"] = int(kv)
+        # A partially prefilled seeded request makes vLLM 0.32 rewind its generator with
+        # Generator.set_offset, which CPU generators lack ("CPU Generator does not use
+        # offset"): prefill whole prompts on CPU so that path is never taken.
+        kwargs["enable_chunked_prefill"] = False
+        kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 2048)
+    else:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = True
+    kwargs.update(layout.vllm_args())
+    return kwargs
+
+
+def _check_launcher_env(layout: EngineLayout) -> None:
+    """vLLM's external launcher reads the rank and device from the environment: it must agree
+    with the rank this engine is built for."""
+    want = layout.launcher_env()
+    have = {k: os.environ.get(k) for k in want}
+    if have != want:
+        raise RolloutError(f"rollout: the launcher's environment {have} does not match this rank's engine "
+                           f"{want}; start every rank with torchrun, srun or rhymerl.launch.rank_main")
+
+
 def _model_vocab(model_path: Path) -> tuple[int, dict]:
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     text = cfg.get("text_config", cfg)
@@ -308,10 +364,13 @@ class RolloutEngine:
     _alive = 0
 
     def __init__(self, cfg: RolloutConfig, histospec_cfg: HistoSpecConfig, model_path: Path, seed: int,
-                 history: Any = None, dtype: str = "float32", distributed: bool = False,
-                 tensor_parallel_size: Optional[int] = None, cpu_kv_cache_bytes: Optional[int] = None,
-                 progress: Any = None):
+                 history: Any = None, dtype: str = "float32", layout: Optional[EngineLayout] = None,
+                 cpu_kv_cache_bytes: Optional[int] = None, progress: Any = None):
+        """``layout``: this rank's place among the world's engines (``rollout.layout``); None
+        is a single process's engine."""
         t0 = time.perf_counter()
+        layout = layout or EngineLayout(world_size=1, rank=0, local_rank=0, tensor_parallel=1)
+        self.layout = layout
         self.cfg = cfg
         # A rhymerl.progress.PhaseProgress (rank 0's console) or None: generate() reports into it.
         self.progress = progress
@@ -360,61 +419,20 @@ class RolloutEngine:
         self._history = history
         self._warned: set[str] = set()
 
-        k = cfg.num_speculative_tokens
-        spec: Optional[dict] = None
-        if self.method == "ngram":
-            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": NGRAM_MIN, "prompt_lookup_max": NGRAM_MAX}
-        elif self.method == "suffix":
-            spec = {"method": "suffix", "num_speculative_tokens": k}
-        elif self.method == "histospec":
-            spec = {"method": "custom_class", "model": HISTOSPEC_CLASS, "num_speculative_tokens": k}
-        max_len = cfg.max_model_len
-        mpe = text_cfg.get("max_position_embeddings")
-        if mpe and max_len > int(mpe):
-            logger.info("rollout.max_model_len %d exceeds the model's %d positions; using %d", max_len, mpe, mpe)
-            max_len = int(mpe)
-        kwargs: dict[str, Any] = dict(
-            model=str(self.model_path), tokenizer=str(self.model_path), dtype=dtype, seed=seed,
-            max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
-            speculative_config=spec, disable_log_stats=True,
-            # Log-probs of the distribution actually sampled (after temperature): the one the
-            # trainer's importance ratios and the engine/trainer mismatch check are defined on.
-            logprobs_mode="processed_logprobs",
-        )
-        if self.on_cpu:
-            # rollout.cpu_kv_cache_gb when set; else the caller's sizing of the run's need.
-            kv = cfg.cpu_kv_cache_gb * GiB if cfg.cpu_kv_cache_gb else (cpu_kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
-            kwargs["kv_cache_memory_bytes"] = int(kv)
-            # A partially prefilled seeded request makes vLLM 0.32 rewind its generator with
-            # Generator.set_offset, which CPU generators lack ("CPU Generator does not use
-            # offset"): prefill whole prompts on CPU so that path is never taken.
-            kwargs["enable_chunked_prefill"] = False
-            kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 2048)
-        else:
-            kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-            kwargs["enable_sleep_mode"] = True
-        # vLLM steps the instances of an external-launcher world in lock-step (data parallel).
-        self.lockstep = False
-        if distributed:
-            # One engine across tensor_parallel_size consecutive torchrun/srun ranks, colocated
-            # with their training shards; vLLM's world is the whole torch world, so the other
-            # engines are its data-parallel ranks.
-            world = int(os.environ.get("WORLD_SIZE", "1"))
-            tp = tensor_parallel_size or world
-            if world % tp:
-                raise RolloutError(f"rollout.tensor_parallel={tp} does not divide the world size {world}")
-            kwargs["distributed_executor_backend"] = "external_launcher"
-            kwargs["tensor_parallel_size"] = tp
-            if world > tp:
-                kwargs["data_parallel_size"] = world // tp
-                self.lockstep = True
-        elif tensor_parallel_size:
-            kwargs["tensor_parallel_size"] = tensor_parallel_size
+        kwargs = vllm_engine_args(cfg, self.model_path, text_cfg, seed, dtype, layout, self.on_cpu, cpu_kv_cache_bytes)
+        spec = kwargs["speculative_config"]
+        if layout.external_launcher:
+            _check_launcher_env(layout)
         from rhymerl.devices import get_cpu_threads, set_cpu_threads
 
         threads = get_cpu_threads() if self.on_cpu else None
         self.llm = LLM(**kwargs)
         RolloutEngine._alive += 1
+        if not self.on_cpu:
+            from rhymerl.devices import check_rank_device
+
+            # vLLM's worker sets the current device itself: it must have chosen this rank's GPU.
+            check_rank_device("rollout engine built")
         # Intra-op threads the engine decodes with on a CPU host (None elsewhere). vLLM serves
         # with one thread because its scheduler has a core of its own in another process; this
         # engine runs in-process and alone between training phases, so it keeps the process's
@@ -426,7 +444,7 @@ class RolloutEngine:
         self._engine = self.llm.llm_engine
         self._meter: Optional[_DrafterMeter] = None
         if spec is not None:
-            if distributed:
+            if layout.tensor_parallel > 1:
                 # Each TP rank runs its own scheduler and drafter; drafts that differ (timing-based
                 # draft lengths) would desynchronise the ranks: the first rank's drafts are used.
                 self.llm.collective_rpc(_share_drafts_over_tp)

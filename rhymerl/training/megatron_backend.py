@@ -485,21 +485,35 @@ class MegatronBackend:
     def offload_training_state(self) -> None:
         """Free what the rollout does not need. Gradient buffers are released (every step zeroes
         them first, so nothing is lost); on CUDA the optimizer state moves to host memory
-        (megatron's own RL offload)."""
-        if self.optimizer is None:
-            return
+        (megatron's own RL offload), and a frozen copy (the KL reference) moves its weights there."""
         cuda = self.groups.device.type == "cuda"
+        if self.optimizer is None:
+            if cuda:
+                self._move_frozen_weights(torch.device("cpu"))
+            return
         self.model.offload_grad_buffers(synchronize=cuda, empty_cache=cuda)
         if cuda:
             self.optimizer.offload_to_cpu()
 
     def onload_training_state(self) -> None:
-        if self.optimizer is None:
-            return
         cuda = self.groups.device.type == "cuda"
+        if self.optimizer is None:
+            if cuda:
+                self._move_frozen_weights(self.groups.device)
+            return
         self.model.restore_grad_buffers(synchronize=cuda)
         if cuda:
             self.optimizer.restore_from_cpu()
+
+    def _move_frozen_weights(self, device: torch.device) -> None:
+        """A model without an optimizer: its parameters and buffers to ``device`` (host copies pinned)."""
+        with torch.no_grad():
+            for t in [*self.module.parameters(), *self.module.buffers()]:
+                if t.device != device:
+                    t.data = t.data.to(device, non_blocking=True) if device.type != "cpu" \
+                        else t.data.to(device).pin_memory()
+        if device.type == "cpu":
+            torch.cuda.empty_cache()
 
     # ------------------------------------------------------------------ weights out
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from rhymerl.config import ParallelConfig
-from rhymerl.devices import collective_device, compute_device
+from rhymerl.devices import bind_rank_device, collective_device, compute_device
 
 
 @dataclass
@@ -37,6 +37,9 @@ class ProcessGroups:
     dp_rank: int
     device: torch.device
     dist_backend: str
+    # Gloo over the whole world, for object collectives (pickled control messages, gathered
+    # samples): on NCCL worlds they would otherwise round-trip through CUDA tensors.
+    cpu: Any = None
 
     @property
     def is_first_stage(self) -> bool:
@@ -96,12 +99,13 @@ def init_process_groups(parallel_cfg: ParallelConfig, world_size: int, rank: int
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1))))
+            bind_rank_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, world_size=world_size, rank=rank, timeout=timedelta(minutes=10))
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise ValueError(f"torch.distributed already runs with world {dist.get_world_size()} rank {dist.get_rank()}, "
                          f"not {world_size}/{rank}")
     device = compute_device(backend)
+    cpu_group = cpu_world_group(backend)
     if parallel_cfg.backend == "deepspeed":
         # ZeRO is data parallel only: no megatron groups (and no megatron import).
         if tp != 1 or pp != 1:
@@ -109,7 +113,7 @@ def init_process_groups(parallel_cfg: ParallelConfig, world_size: int, rank: int
         world = dist.group.WORLD
         return ProcessGroups(world_size=world_size, rank=rank, tp=None, pp=None, dp=world, mp=None, embd=None,
                              pos_embd=None, tp_size=1, pp_size=1, dp_size=world_size, tp_rank=0, pp_rank=0,
-                             dp_rank=rank, device=device, dist_backend=backend)
+                             dp_rank=rank, device=device, dist_backend=backend, cpu=cpu_group)
     import megatron_patches
     from megatron.core import parallel_state as ps
 
@@ -128,8 +132,23 @@ def init_process_groups(parallel_cfg: ParallelConfig, world_size: int, rank: int
         pos_embd=ps.get_position_embedding_group(check_initialized=False),
         tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(), device=device, dist_backend=backend,
+        dp_rank=ps.get_data_parallel_rank(), device=device, dist_backend=backend, cpu=cpu_group,
     )
+
+
+def cpu_world_group(backend: str) -> Any:
+    """A gloo group over the world (the world itself when it already runs gloo). Collective:
+    every rank calls it once, in the same order."""
+    if backend == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
+def world_comm(groups: ProcessGroups):
+    """The trainer's object collectives, over the CPU group."""
+    from rhymerl.collectives import WorldComm
+
+    return WorldComm(rank=groups.rank, world_size=groups.world_size, group=groups.cpu)
 
 
 def destroy_process_groups() -> None:

@@ -2,9 +2,11 @@
 
 gloo is declared to take ``lazy`` tensors (``rhymerl.devices``), so a collective that is handed
 a tensor made without asking for its group's device (a CPU tensor, as an NCCL group would
-refuse) fails the run. The same run records the colocation calls and checks their order per
-step: rollout -> engine sleep -> train -> trainer offload -> engine wakes its weights ->
-weights reloaded -> engine wakes its KV cache.
+refuse) fails the run. The same run records the colocation calls and checks their order:
+at start-up the training state (policy and KL reference) leaves the device before the engine
+is built, and the engine sleeps at once; each step the engine wakes its weights, takes the
+trainer's, wakes its KV cache, rolls out, sleeps; the training state comes back, trains and
+leaves again.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ SMALL = ["model.path=builtin:tiny", "data.size=4", "data.prompts_per_step=2", "r
          # without one takes its log-probs from the loss's forward and gathers nothing).
          "algo.kl_coef=0.01"]
 
-# One step of the colocated protocol, as recorded (rank-local calls only).
-STEP = ["rollout", "engine.sleep", "train", "trainer.offload", "engine.wake_up:weights", "engine.load_weights",
-        "engine.wake_up:kv_cache"]
+# Start-up and one step of the colocated protocol, as recorded (rank-local calls only; the
+# trainer's calls come twice: the policy and the KL reference).
+START = ["trainer.offload", "trainer.offload", "engine.sleep"]
+STEP = ["engine.wake_up:weights", "engine.load_weights", "engine.wake_up:kv_cache", "rollout", "engine.sleep",
+        "trainer.onload", "trainer.onload", "train", "trainer.offload", "trainer.offload"]
 
 
 def _launch(out: Path, steps: int, tag: str) -> list[dict]:
@@ -44,10 +48,11 @@ def test_colocated_steps_collectives_on_group_device_and_call_order(tmp_path):
     resumed = _launch(tmp_path, 2, "resumed")
     for rank in range(2):
         ev = first[rank]["events"]
-        assert ev == [*STEP, "checkpoint.save"], ev
+        assert ev == [*START, *STEP, "checkpoint.save"], ev
         ev = resumed[rank]["events"]
-        # Resume: the checkpoint's weights go into the fresh engine before the first rollout.
-        assert ev == ["checkpoint.load", "engine.load_weights", *STEP, "checkpoint.save"], ev
+        # Resume: the checkpoint's weights go into the fresh engine before the first rollout
+        # (every first rollout takes the trainer's weights).
+        assert ev == ["checkpoint.load", *START, *STEP, "checkpoint.save"], ev
     for part in (first, resumed):
         checked = part[0]["audit"]["checked"]
         # The step's own collectives ran through the audit: the stop flag (all_reduce) and the

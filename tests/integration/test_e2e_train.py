@@ -135,6 +135,26 @@ def test_two_ranks_one_rollout_engine_across_both_tp2(tmp_path):
     assert sum(r["histospec/draft_accepted"] for r in rows if r["epoch"] == 1) > 0
 
 
+def test_four_ranks_two_tp2_instances_generate_on_their_own(tmp_path):
+    """Two rollout instances of two ranks each (rollout.tensor_parallel=2 on 4 ranks) generate
+    independently: an instance given twice the work of the other steps twice as often while
+    the other idles once done, which the bubble shows (instances in vLLM's lock-step stepped
+    together: equal times, a bubble near 0)."""
+    # Groups dealt round-robin (histopipe off): instance 0 gets groups 0 and 2, instance 1 group 1;
+    # two sequences at a time, so instance 0 decodes two batches one after the other.
+    rows = train(tmp_path, "run.max_steps=3", "data.size=6", "data.prompts_per_step=3", "data.shuffle=false",
+                 "rollout.n=2", "rollout.max_num_seqs=2", "rollout.temperature=0", "rollout.max_tokens=96",
+                 "histopipe.enabled=false", "rollout.speculative=none", "model.path=builtin:tiny",
+                 "rollout.tensor_parallel=2", "parallel.tensor_parallel=2", "tracking.wandb=disabled",
+                 "checkpoint.every_steps=0", "reward.workers=1", *SHORT_ANSWERS, nproc=4)
+    for r in rows:
+        assert r["rollout/instances"] == 2 and r["rollout/responses"] == 6, r
+        assert r["rollout/engine_steps/0"] > r["rollout/engine_steps/1"] > 0, r
+    # The first step's rollout is mostly both engines' warm-up; after it the idle share shows.
+    assert max(r["histopipe/bubble_fraction"] for r in rows[1:]) > 0.1, \
+        [(r["histopipe/bubble_fraction"], r["rollout/instance_s/0"], r["rollout/instance_s/1"]) for r in rows]
+
+
 def test_accelerations_leave_rewards_unchanged(single_run, tmp_path):
     """HistoSpec+HistoPipe off vs on, same seed, sampled at T=1: per-response rewards must be
     statistically indistinguishable. Test: Fisher's exact test on the 2x2 table of correct

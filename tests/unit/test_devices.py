@@ -124,3 +124,51 @@ def test_float32_backward_runs_its_node_without_autocast_inside_the_region():
     assert torch.equal(x.grad, torch.full((3,), 2.0))
     with devices.autocast(cpu, None):
         assert not torch.is_autocast_enabled("cpu")
+
+
+def test_a_rank_computes_on_the_gpu_its_local_rank_names():
+    # Every task sees the node's 8 GPUs: rank i of the node takes cuda:i.
+    assert [devices.rank_cuda_index(i, 8, "0,1,2,3,4,5,6,7") for i in range(8)] == list(range(8))
+    # Per-task binding (one GPU visible): that one, whatever the local rank.
+    assert devices.rank_cuda_index(5, 1, "5") == 0
+    assert devices.visible_device_count("2,3", 8) == 2 and devices.visible_device_count(None, 8) == 8
+    with pytest.raises(devices.DeviceBindingError, match=r"LOCAL_RANK=5 but this task sees 4 GPUs "
+                                                         r"\(CUDA_VISIBLE_DEVICES=0,1,2,3\).*--gpu-bind=none"):
+        devices.rank_cuda_index(5, 4, "0,1,2,3")
+    with pytest.raises(devices.DeviceBindingError, match="sees no GPU"):
+        devices.rank_cuda_index(0, 0, "")
+
+
+@pytest.fixture
+def rank_on_gpu3():
+    devices.set_rank_device(torch.device("cuda", 3))
+    try:
+        yield
+    finally:
+        devices.set_rank_device(None)
+
+
+def test_nccl_collectives_are_held_to_the_ranks_own_gpu_not_the_current_one(rank_on_gpu3):
+    """A library that moved the current device (vLLM's worker sets it) must not move what the
+    audit expects: an NCCL tensor on another GPU is this rank's error, even if it is current."""
+    assert devices.native_backend_device("nccl") == torch.device("cuda", 3)
+    assert devices.backend_device("nccl") == torch.device("cuda", 3)
+    from rhymerl.collective_audit import _same_device
+
+    assert not _same_device(torch.device("cuda", 0), devices.native_backend_device("nccl"))
+
+
+def test_object_collectives_of_an_nccl_world_go_over_a_gloo_group(one_rank_gloo):
+    """Pickled messages (HistoPipe's progress exchange, gathered samples, checkpoint votes) would
+    round-trip through CUDA tensors over NCCL: the trainer's comm takes the world's gloo group."""
+    from rhymerl.training.process_groups import cpu_world_group, world_comm
+
+    group = cpu_world_group("nccl")
+    assert group is not dist.group.WORLD and dist.get_backend(group) == "gloo"
+    assert cpu_world_group("gloo") is dist.group.WORLD
+
+    class Groups:
+        rank, world_size, cpu = 0, 1, group
+
+    comm = world_comm(Groups())
+    assert comm.group is group

@@ -36,10 +36,84 @@ def test_parameter_counts_match_the_published_sizes():
 
 
 @pytest.mark.parametrize("name,shape", SHIPPED)
-def test_shipped_cluster_configs_fit(name, shape):
+def test_shipped_cluster_configs_fit_every_phase(name, shape):
     plan = _plan(name, shape)
     check(plan)
-    assert plan.training_total < plan.device_bytes and plan.rollout_total < plan.device_bytes
+    assert [p.name for p in plan.phases] == ["engine build", "rollout", "training", "wake"]
+    # The design fits with room to spare, not because the check is loose: every phase keeps
+    # at least 10 GB of an 85 GB device free beyond the 4 GB reserve.
+    assert all(p.headroom > 10 * GB for p in plan.phases), plan.table()
+
+
+def _vllm_start(free_bytes: float, total_bytes: float, utilization: float) -> str:
+    """vLLM's own start-up rule (its worker's ``request_memory``): "" when it starts, its error else."""
+    from vllm.config import CacheConfig
+    from vllm.utils.mem_utils import MemorySnapshot
+    from vllm.v1.worker.utils import request_memory
+
+    snap = MemorySnapshot(free_memory=int(free_bytes), total_memory=int(total_bytes), device="cuda:0",
+                          auto_measure=False)
+    try:
+        request_memory(snap, CacheConfig(gpu_memory_utilization=utilization))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("name,shape", SHIPPED)
+def test_engine_build_passes_vllms_free_memory_rule_only_with_training_state_offloaded(name, shape):
+    plan = _plan(name, shape)
+    cfg = load_config(REPO / "configs" / name)
+    build = plan.phase("engine build")
+    util = cfg.rollout.gpu_memory_utilization
+    assert _vllm_start(plan.device_bytes - build.total, plan.device_bytes, util) == ""
+    # Built next to the gradients, the optimizer state and the reference (nothing offloaded
+    # first), the engine is refused by vLLM, and the plan's own rule says the same.
+    t = plan.training
+    resident = build.total + t["grads"] + t["optimizer"] + t.get("reference", 0)
+    assert "less than desired GPU memory utilization" in _vllm_start(plan.device_bytes - resident,
+                                                                     plan.device_bytes, util)
+    assert resident > build.limit
+
+
+def test_a_phase_that_does_not_fit_is_refused_naming_it_and_the_shortfall():
+    with pytest.raises(MemoryPlanError) as e:
+        check(_plan("qwen2.5-7b-dapo-math-8xh100.yaml", QWEN25_7B, "rollout.gpu_memory_utilization=0.92"))
+    msg = str(e.value)
+    assert "engine build needs 11.6 GB where 6.8 GB may be used (4.8 GB short; vLLM: free >= " \
+           "gpu_memory_utilization 0.92 x 85.0)" in msg, msg
+    assert "rollout needs" in msg and "rollout.gpu_memory_utilization" in msg
+
+
+def test_a_sleeping_engine_keeps_its_graphs_and_nccl_buffers_while_training():
+    eager = _plan("qwen2.5-32b-grpo-math-4x8xh100.yaml", QWEN25_32B, "rollout.enforce_eager=true")
+    graphs = _plan("qwen2.5-32b-grpo-math-4x8xh100.yaml", QWEN25_32B)
+    assert eager.training["engine NCCL"] > 0 and eager.training["engine graphs"] == 0
+    assert graphs.training["engine graphs"] > 0
+    assert graphs.training_total - eager.training_total == pytest.approx(graphs.training["engine graphs"])
+    one_gpu_engine = _plan("qwen2.5-7b-dapo-math-8xh100.yaml", QWEN25_7B)
+    assert one_gpu_engine.training["engine NCCL"] == 0
+
+
+def test_print_config_shows_the_phase_table_for_both_cluster_configs(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    for (name, shape) in SHIPPED:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(shape))
+        res = subprocess.run([sys.executable, "-m", "rhymerl", "train", str(REPO / "configs" / name),
+                              f"model.path={folder}", "--print-config", "--no-check"],
+                             capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert res.returncode == 0, res.stderr
+        table = [line for line in res.stdout.splitlines() if line.startswith("#   ")]
+        assert [line.split()[1] for line in table[1:5]] == ["engine", "rollout", "training", "wake"], res.stdout
+        assert "vLLM: free >= gpu_memory_utilization 0.6 x 85.0" in res.stdout
+        # What it prints is still a config that loads.
+        (tmp_path / "printed.yaml").write_text(res.stdout)
+        assert load_config(tmp_path / "printed.yaml").model.path == str(folder)
 
 
 @pytest.mark.parametrize("overrides,keys", [
@@ -47,7 +121,7 @@ def test_shipped_cluster_configs_fit(name, shape):
     (["parallel.recompute_activations=false", "algo.micro_batch_tokens=32768"],
      ["parallel.recompute_activations", "algo.micro_batch_tokens", "parallel.tensor_parallel"]),
     # The engine asks for 95% of a device that also holds the trainer's weights.
-    (["rollout.gpu_memory_utilization=0.95"], ["rollout.gpu_memory_utilization"]),
+    (["rollout.gpu_memory_utilization=0.95"], ["engine build", "rollout.gpu_memory_utilization"]),
     # An engine that never sleeps sits next to the optimizer state during training.
     (["rollout.sleep_level=0"], ["rollout.sleep_level"]),
     # A KV cache too small for one sequence.

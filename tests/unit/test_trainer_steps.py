@@ -27,7 +27,6 @@ pytestmark = pytest.mark.cpu
 class ScriptedEngine:
     """Responses derived from the request seed; lengths alternate within a call (1, 2, 1, ...)."""
 
-    lockstep = False  # one engine per rank: an idle instance is not stepped
     cpu_threads = None  # not a CPU vLLM engine: no threads to report
 
     def __init__(self):
@@ -91,7 +90,8 @@ def make_trainer(answers: list[str], *overrides: str, rank: int = 0, instances: 
     t.trained = []
     t._train = lambda samples, adv: t.trained.append((samples, adv)) or {"time/train_s": 0.0}
     t._reshard = lambda: {}
-    t.colocation = Colocation(t.engine, None, sleep_level=0)  # no sleep/wake, no offload: nothing to release
+    t.colocation = Colocation(None, sleep_level=0)  # no sleep/wake, no offload: nothing to release
+    t.colocation.attach_engine(t.engine)
     t.progress = PhaseProgress(enabled=False)
     return t
 
