@@ -423,6 +423,8 @@ class SlurmConfig:
     setup: list[str] = field(default_factory=list)
     # Interpreter on the compute nodes ("" = the one that rendered the script).
     python: str = ""
+    # Network interface for gloo/NCCL sockets; empty = the interface that routes to MASTER_ADDR, found by each rank.
+    socket_ifname: str = ""
 
 
 @dataclass

@@ -2,6 +2,8 @@
 
 Rank and world size come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm
 (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID); MASTER_ADDR/MASTER_PORT from the sbatch script.
+On a multi-node job the gloo/NCCL socket interface is set before torch.distributed starts
+(rhymerl.launch.netif).
 """
 
 # Before any other import: Slurm's warning signal can arrive while the task starts, and
@@ -13,11 +15,24 @@ _PREEMPT = PreemptionHandler()
 import os  # noqa: E402
 import sys  # noqa: E402
 
+from rhymerl.launch import netif  # noqa: E402
 from rhymerl.launch.train import launcher_env, run_from_config  # noqa: E402
+
+
+def _set_socket_interfaces(rank: int) -> None:
+    """Point gloo/NCCL at the interface that routes to MASTER_ADDR, unless the user chose one."""
+    nnodes = netif.job_nodes(os.environ)
+    if nnodes <= 1:
+        return
+    hints = netif.socket_env_hints(os.environ, nnodes)
+    print(f"[rhymerl] rank {rank}: {netif.describe(os.environ, hints)}", file=sys.stderr, flush=True)
+    os.environ.update(hints)
+
 
 if __name__ == "__main__":
     rank, world, local = launcher_env()
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_RANK", str(local))
+    _set_socket_interfaces(rank)
     sys.exit(run_from_config(sys.argv[1:], _PREEMPT))

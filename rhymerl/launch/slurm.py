@@ -1,12 +1,14 @@
 """`python -m rhymerl slurm render|submit CONFIG [overrides] [--dry-run]`.
 
 Renders one sbatch script from the run config's ``slurm`` and ``parallel`` sections:
-one srun task per GPU (or ``tasks_per_node`` CPU tasks with gloo when
-``gpus_per_node: 0``), MASTER_ADDR = first host of the allocation, MASTER_PORT derived
-from the job id and probed on that host, a per-job log folder, and the preemption
-contract of slurm/README.md (``--signal=USR1@lead``, ``--requeue``, append-mode logs, the
-trainer checkpoints and requeues itself, and the restarted job resumes from
-``checkpoint.resume: auto``). Each task runs ``python -m rhymerl.launch.rank_main CONFIG [overrides]``.
+one srun task per GPU, each seeing all its node's GPUs (``--gpu-bind=none``; it uses
+``cuda:LOCAL_RANK``), or ``tasks_per_node`` CPU tasks with gloo when ``gpus_per_node: 0``;
+the gloo/NCCL socket interface (``slurm.socket_ifname``, else found by each rank);
+MASTER_ADDR = first host of the allocation, MASTER_PORT derived from the job id and probed
+on that host, a per-job log folder, and the preemption contract of slurm/README.md
+(``--signal=USR1@lead``, ``--requeue``, append-mode logs, the trainer checkpoints and
+requeues itself, and the restarted job resumes from ``checkpoint.resume: auto``).
+Each task runs ``python -m rhymerl.launch.rank_main CONFIG [overrides]``.
 """
 
 from __future__ import annotations
@@ -115,6 +117,41 @@ def _rendezvous_host_lines(nodes: int) -> list[str]:
     ]
 
 
+def _socket_interface_lines(slurm: SlurmConfig) -> list[str]:
+    """Shell lines about the interface gloo/NCCL sockets use: the configured one, or a note that
+    each rank finds its own (rhymerl.launch.netif)."""
+    name = slurm.socket_ifname
+    if name:
+        return ["# gloo/NCCL sockets on slurm.socket_ifname; a GLOO_/NCCL_SOCKET_IFNAME set at submission wins.",
+                f"export GLOO_SOCKET_IFNAME=${{GLOO_SOCKET_IFNAME:-{name}}}",
+                f"export NCCL_SOCKET_IFNAME=${{NCCL_SOCKET_IFNAME:-{name}}}"]
+    if slurm.nodes == 1:
+        return []
+    # Left to the host name, gloo/NCCL often pick the wrong network (or a loopback address) and hang.
+    return ["# gloo/NCCL sockets: each rank (rank_main, rhymerl.launch.netif) takes the interface that",
+            "# routes to MASTER_ADDR and logs it, unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME are set;",
+            "# slurm.socket_ifname exports both here."]
+
+
+def _srun_lines(slurm: SlurmConfig, per_node: int) -> list[str]:
+    """The comment and first line of the srun command (the task command follows)."""
+    lines = ["# One task per rank; rank_main reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID.",
+             "# --kill-on-bad-exit: a crashed rank ends the step instead of leaving the rest in a collective.",
+             "# --cpus-per-task again: since Slurm 22.05 srun does not inherit it from sbatch."]
+    cpus = f"--cpus-per-task={slurm.cpus_per_task}"
+    if slurm.gpus_per_node == 0:
+        return lines + [f'srun --kill-on-bad-exit=1 {cpus} --open-mode=append --output="$JOB_LOG_DIR/rank-%t.log" \\']
+    # Stated on the srun line because a site default (--gpu-bind=single/closest, --gpus-per-task)
+    # would give each task its own subset of the GPUs, and cuda:LOCAL_RANK would then be wrong.
+    return lines + [
+        f"# GPU binding: {per_node} tasks per node, each seeing all {slurm.gpus_per_node} GPUs of its node in the same",
+        "# order (--gpu-bind=none, so no site default splits them); a task uses cuda:LOCAL_RANK,",
+        "# LOCAL_RANK = SLURM_LOCALID (set by rank_main; vLLM's external launcher reads it too).",
+        f"srun --kill-on-bad-exit=1 {cpus} --ntasks-per-node={per_node} --gpus-per-node={slurm.gpus_per_node} "
+        '--gpu-bind=none --open-mode=append --output="$JOB_LOG_DIR/rank-%t.log" \\',
+    ]
+
+
 def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str, config_path: Path,
                   overrides: Sequence[str] = (), workdir: Optional[Path] = None, python: Optional[str] = None,
                   entry: Sequence[str] = DEFAULT_ENTRY, setup_lines: Sequence[str] = ()) -> str:
@@ -132,6 +169,9 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
                           f"{slurm.time!r} ({limit} s); the job would be told to stop as soon as it starts")
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", job_name):
         raise ConfigError(f"run.name: {job_name!r} is used as the Slurm job name; use letters, digits, _ . + -")
+    if slurm.socket_ifname and not re.fullmatch(r"[A-Za-z0-9_.:@-]+", slurm.socket_ifname):
+        raise ConfigError(f"slurm.socket_ifname: {slurm.socket_ifname!r} is not an interface name such as eth0; "
+                          "leave it empty to let each rank find the interface that routes to MASTER_ADDR")
     workdir = Path(workdir or Path.cwd()).resolve()
     config_path = Path(config_path)
     config_abs = (config_path if config_path.is_absolute() else workdir / config_path).resolve()
@@ -231,22 +271,21 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
             "# NCCL: report problems, fail fast instead of hanging in a collective after a rank dies.",
             'export NCCL_DEBUG=${NCCL_DEBUG:-WARN}',
             'export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}',
-            "# Set NCCL_SOCKET_IFNAME / NCCL_IB_HCA here if the cluster needs a specific fabric.",
+            "# Set NCCL_IB_HCA here if the cluster needs a specific fabric.",
         ]
     else:
         lines += [
             "# CPU-only tasks use gloo (parallel.dist_backend=auto). If the host name resolves to a",
             "# loopback address on a multi-node job, set GLOO_SOCKET_IFNAME to the cluster interface.",
         ]
+    lines += _socket_interface_lines(slurm)
     if setup_lines:
         lines += ["", "# setup", *setup_lines]
     lines += [
         'echo "[rhymerl-slurm] MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT ntasks=$SLURM_NTASKS'
         ' logs=$JOB_LOG_DIR"',
         "",
-        "# One task per rank; rank_main reads SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID.",
-        "# --kill-on-bad-exit: a crashed rank ends the step instead of leaving the rest in a collective.",
-        'srun --kill-on-bad-exit=1 --open-mode=append --output="$JOB_LOG_DIR/rank-%t.log" \\',
+        *_srun_lines(slurm, per_node),
         f"    {task_cmd} &",
         "SRUN_PID=$!",
         "while true; do",

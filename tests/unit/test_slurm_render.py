@@ -216,3 +216,54 @@ def test_rendered_port_choice_is_the_job_ids_own_block(tmp_path):
         assert base == block.start and port in block and block.stop <= 32768  # below the ephemeral range
         blocks.append(block)
     assert not set(blocks[0]) & set(blocks[1])
+
+
+def _srun_line(text: str) -> str:
+    (line,) = [x for x in text.splitlines() if x.startswith("srun ")]
+    return line
+
+
+def test_gpu_srun_line_gives_every_task_all_its_nodes_gpus():
+    # Each task uses cuda:LOCAL_RANK, so every task must see the node's GPUs in the same order:
+    # the binding is stated on the srun line, where a site default cannot change it.
+    text = _render(SlurmConfig(nodes=4, gpus_per_node=8), ParallelConfig(tensor_parallel=4))
+    srun = _srun_line(text).split()
+    assert {"--gpu-bind=none", "--ntasks-per-node=8", "--gpus-per-node=8"} <= set(srun)
+    assert "LOCAL_RANK = SLURM_LOCALID" in text
+    cpu = _srun_line(_render(SlurmConfig(tasks_per_node=2)))
+    assert "--gpu" not in cpu and "--ntasks-per-node" not in cpu
+
+
+def test_srun_asks_for_the_tasks_cpus_itself():
+    # Since Slurm 22.05 srun does not inherit --cpus-per-task from sbatch: each task would get one CPU.
+    gpu = _srun_line(_render(SlurmConfig(gpus_per_node=8, cpus_per_task=12))).split()
+    cpu = _srun_line(_render(SlurmConfig(tasks_per_node=2, cpus_per_task=3))).split()
+    assert "--cpus-per-task=12" in gpu and "--cpus-per-task=3" in cpu
+
+
+def test_multi_node_script_names_the_socket_interface(tmp_path):
+    four = dict(nodes=4, gpus_per_node=8)
+    found = _render(SlurmConfig(**four), ParallelConfig(tensor_parallel=4))
+    # Left empty, each rank (rank_main) finds the interface that routes to MASTER_ADDR.
+    assert "routes to MASTER_ADDR" in found and "rhymerl.launch.netif" in found
+    assert "export GLOO_SOCKET_IFNAME" not in found and "export NCCL_SOCKET_IFNAME" not in found
+    one = _render(SlurmConfig(tasks_per_node=2))  # one node: nothing to choose
+    assert "rhymerl.launch.netif" not in one and "export GLOO_SOCKET_IFNAME" not in one
+    text = _render(SlurmConfig(socket_ifname="ib0", **four), ParallelConfig(tensor_parallel=4))
+    exports = [x for x in text.splitlines() if x.startswith("export ") and "_SOCKET_IFNAME=" in x]
+    assert exports == ["export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-ib0}",
+                       "export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-ib0}"]
+    # A value set at submission (sbatch passes the environment on) wins over the config's.
+    script = tmp_path / "ifname.sh"
+    script.write_text("\n".join([*exports, 'echo "$GLOO_SOCKET_IFNAME $NCCL_SOCKET_IFNAME"']))
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True, env=env).stdout
+    assert out.split() == ["ib0", "ib0"]
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, check=True,
+                         env={**env, "NCCL_SOCKET_IFNAME": "eth3"}).stdout
+    assert out.split() == ["ib0", "eth3"]
+
+
+def test_socket_ifname_must_be_an_interface_name():
+    with pytest.raises(ConfigError, match="slurm.socket_ifname"):
+        _render(SlurmConfig(socket_ifname="eth0; rm -rf x"))
