@@ -9,7 +9,7 @@ backend is declared to take a device it cannot really take (a test declares gloo
 to prove that no code assumes CPU), the audited call is bridged: tensors go to the native
 device for the real collective and the results are copied back.
 
-Run it on the first GPU machine too (``tests/gpu/smoke.sh`` does): NCCL calls are then
+Run it on the first GPU machine too (``tests/gpu/node_smoke.sh`` does): NCCL calls are then
 checked against CUDA.
 """
 

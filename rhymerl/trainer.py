@@ -67,7 +67,9 @@ def request_seed(run_seed: int, step: int, instance: int, offset: int) -> int:
 class Trainer:
     """Holds the run's components; ``run()`` executes steps until the budget is spent."""
 
-    def __init__(self, cfg: RunConfig, comm: WorldComm, groups: Any):
+    def __init__(self, cfg: RunConfig, comm: WorldComm, groups: Any, backend_checkpoint: Optional[Path] = None):
+        """``backend_checkpoint``: a checkpoint's backend folder to resume the policy from, loaded
+        before the engine is built (loading may bring optimizer state back onto the device)."""
         from transformers import AutoTokenizer
 
         from rhymerl.config import validate
@@ -138,6 +140,8 @@ class Trainer:
                      "in %s", cfg.parallel.autocast, self.backend.matmul_dtype_name,
                      "" if self.backend.autocast_dtype else " (no native bfloat16 matmuls on this host)",
                      cfg.model.dtype)
+        if backend_checkpoint is not None:
+            self.backend.load_checkpoint(backend_checkpoint)
         self.ref_backend = None
         if cfg.algo.kl_coef > 0:
             # A frozen copy of the initial policy (no optimizer): its log-probs are the KL reference.

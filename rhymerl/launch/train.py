@@ -119,12 +119,10 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
     if loaded is not None and loaded.config is not None:
         check_compatible(loaded.config, to_dict(cfg))
 
-    trainer = Trainer(cfg, comm, groups)
+    trainer = Trainer(cfg, comm, groups, backend_checkpoint=loaded.backend_dir if loaded is not None else None)
     run_id = None
     if loaded is not None:
         trainer.load_state_blobs({**loaded.state["trainer"], "history": loaded.state["history"]})
-        # The first step's rollout streams these weights into the engine (colocation).
-        trainer.backend.load_checkpoint(loaded.backend_dir)
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state["rng"])
             # HistoSpec's learnt acceptance: the resumed run drafts as the uninterrupted one.

@@ -3,7 +3,8 @@
 Runs the real driver (``rhymerl.launch.train.run``: trainer, vLLM engine, megatron backend, checkpoints)
 with the collective-device audit installed and, on CPU, gloo declared to take ``lazy`` tensors, so
 any collective handed a tensor that was not put on its group's device fails the run (on a GPU
-NCCL's CUDA is audited as it is; tests/gpu/smoke.sh runs it there). The calls the
+NCCL's CUDA is audited as it is; tests/gpu/audited_rank.py does that for the GPU node smoke
+check, tests/gpu/node_smoke.sh). The calls the
 colocation protocol depends on are recorded in order and written, with the audit's counts, to
 ``OUT/rank<r>.json``.
 
