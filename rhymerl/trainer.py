@@ -24,7 +24,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from rhymerl.collectives import WorldComm
+from rhymerl.distributed.collectives import WorldComm
 from rhymerl.config import RunConfig, fingerprint, to_dict
 from rhymerl.data import EpochSampler, PromptRecord, few_shot_pool, load_records, render_prompt
 from rhymerl.histospec.proposer import STAT_COUNTS, add_stat_fractions
@@ -91,7 +91,7 @@ class Trainer:
         shape = model_shape(self.model_path)
         self.dp_size = validate(cfg, shape, world_size=comm.world_size)
         check_model_use(self.model_path, cfg.parallel.backend, cfg.data.chat_template)
-        from rhymerl.memory_plan import check_run
+        from rhymerl.distributed.memory_plan import check_run
 
         check_run(cfg, self.model_path, comm.world_size, groups.device)
 
@@ -111,13 +111,13 @@ class Trainer:
         self.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
         # One rollout instance per rollout.tensor_parallel consecutive ranks (one vLLM engine
         # across them); every rank of an instance runs the same requests.
-        from rhymerl.rollout.layout import engine_layout
+        from rhymerl.rollout.placement import engine_placement
 
         rtp = cfg.rollout.tensor_parallel
-        self.layout = engine_layout(comm.world_size, comm.rank, int(os.environ.get("LOCAL_RANK", "0")), rtp,
+        self.placement = engine_placement(comm.world_size, comm.rank, int(os.environ.get("LOCAL_RANK", "0")), rtp,
                                     ranks_per_node=_ranks_per_node())
-        self.num_instances, self.instance, self.engine_rank = (self.layout.num_instances, self.layout.instance,
-                                                               self.layout.engine_rank)
+        self.num_instances, self.instance, self.engine_rank = (self.placement.num_instances, self.placement.instance,
+                                                               self.placement.engine_rank)
         if cfg.histopipe.enabled:
             self.planner = HistoPipePlanner(cfg.histopipe, self.num_instances, cfg.rollout.max_num_seqs)
         else:
@@ -147,7 +147,7 @@ class Trainer:
             # A frozen copy of the initial policy (no optimizer): its log-probs are the KL reference.
             self.ref_backend = build_backend(cfg.parallel, cfg.algo, self.model_path, groups, dtype=cfg.model.dtype,
                                              seed=cfg.run.seed, temperature=temp, train=False)
-        from rhymerl.progress import PhaseProgress
+        from rhymerl.outputs.progress import PhaseProgress
 
         # Rank 0's live lines inside the long phases; the other ranks keep their logs quiet.
         self.progress = PhaseProgress(interval_s=cfg.tracking.progress_interval_s,
@@ -155,8 +155,8 @@ class Trainer:
                                       and cfg.tracking.progress_interval_s > 0)
         self.backend.progress = self.progress
         train_threads = torch.get_num_threads()
-        from rhymerl.colocation import Colocation
-        from rhymerl.devices import free_memory_probe, host_heap_trimmer
+        from rhymerl.distributed.colocation import Colocation
+        from rhymerl.distributed.devices import free_memory_probe, host_heap_trimmer
 
         on_cpu = groups.device.type == "cpu"
         self.colocation = Colocation(self.backend, cfg.rollout.sleep_level, references=[self.ref_backend],
@@ -167,7 +167,7 @@ class Trainer:
         self.engine = RolloutEngine(cfg.rollout, cfg.histospec, self.model_path, seed=cfg.run.seed + self.instance,
                                     progress=self.progress if comm.rank == 0 else None,
                                     history=self.history, dtype=cfg.model.dtype,
-                                    cpu_kv_cache_bytes=self._cpu_kv_cache_bytes(), layout=self.layout)
+                                    cpu_kv_cache_bytes=self._cpu_kv_cache_bytes(), placement=self.placement)
         # The engine decodes with the process's threads; were its threads ever fewer, training
         # would get its own back.
         if on_cpu:
@@ -202,7 +202,7 @@ class Trainer:
         """What a CPU engine's KV cache needs for one step of this run (its memory is resident)."""
         import json
 
-        from rhymerl.memory_plan import cpu_kv_cache_bytes
+        from rhymerl.distributed.memory_plan import cpu_kv_cache_bytes
         from rhymerl.resharding.layout import ModelLayout
 
         layout = ModelLayout.from_hf_config(json.loads((Path(self.model_path) / "config.json").read_text()))

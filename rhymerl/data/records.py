@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from rhymerl.config import DataConfig
-from rhymerl.jsonl import iter_jsonl
+from rhymerl.outputs.jsonl import iter_jsonl
 
 
 class DatasetError(ValueError):

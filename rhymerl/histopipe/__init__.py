@@ -1,6 +1,6 @@
 """HistoPipe: history-aware rollout scheduling (length predictor, cost model and its
-calibration, planner, the scheduler state machine with its policies) and the cluster
-simulator that drives the same scheduler."""
+calibration, planner, the scheduler state machine with its policies). The cluster simulator
+(benchmarks/simulate) drives the same scheduler."""
 
 from rhymerl.histopipe.cost import DecodeCostModel
 from rhymerl.histopipe.planner import HistoPipePlanner, NoopPlanner, Plan, PromptGroup

@@ -16,7 +16,7 @@ from typing import Optional
 
 import numpy as np
 
-from rhymerl.atomic import atomic_write_text
+from rhymerl.outputs.atomic import atomic_write_text
 from rhymerl.histopipe.cost import DecodeCostModel
 
 DEFAULT = Path(__file__).with_name("data") / "h100x4-32b-roofline.json"

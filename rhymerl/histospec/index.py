@@ -466,7 +466,7 @@ class FrozenSuffixAutomaton:
 
 
 try:
-    from rhymerl.histospec import _samc
+    import rhymerl.histospec._samc as _samc
 except ImportError:  # not compiled (source checkout without `pip install -e .`)
     _samc = None
 

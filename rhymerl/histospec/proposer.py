@@ -34,11 +34,11 @@ Draft-length rules (``draft_rule``), all capped by ``max_draft`` and the engine'
             history is near-unanimous (path probability >= ADAPTIVE_CONF); such
             continuations are accepted almost always, so capping them wastes steps.
 
-Measured with ``python -m rhymerl bench histospec`` (synthetic traces, similarity
+Measured with ``python -m benchmarks histospec`` (synthetic traces, similarity
 0.5-0.95): among the per-request rules ``adaptive`` has the best modelled speedup
 (fixed 4..32, aimd, mimd), and ``min_match=1, start_after=0`` beat the released 4/4 at every
 similarity (the ``min_prob`` cut already rejects ambiguous short matches). The
-benchmark's main rows use those settings (``rhymerl/bench/histospec.py: RECOMMENDED``).
+benchmark's main rows use those settings (``benchmarks/histospec.py: RECOMMENDED``).
 
 Not thread-safe: the engine calls it from one thread. ``generated`` must extend the
 previous call's tokens for the same request (a changed last token or a jump of more
@@ -56,7 +56,7 @@ from typing import Optional, Sequence
 
 from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec.goodput import AcceptanceTracker, StepCostModel, draft_can_pay, plan_step, remaining_cap
-from rhymerl.histospec import index as _index
+import rhymerl.histospec.index as _index
 from rhymerl.histospec.index import NO_CHILD, START, CompiledGroupIndex, FrozenSuffixAutomaton, SuffixAutomaton, _samc
 from rhymerl.histospec.store import HistoryStore
 

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rhymerl.atomic import atomic_write_bytes
+from rhymerl.outputs.atomic import atomic_write_bytes
 from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec.budget import STORED_BYTES_PER_TOKEN, VisitBudget, available_memory_bytes
 from rhymerl.histospec.index import BUILDER, FrozenSuffixAutomaton, build_frozen

@@ -11,7 +11,7 @@ A signal handler must not checkpoint by itself: it can fire in the middle of a c
 or an optimizer step. So the handler only records the request; the trainer checks
 ``requested`` at the end of a step and agrees across ranks. Slurm delivers these signals to
 every process of the job; the trainer's helper processes are shielded from them
-(rhymerl.child_signals). See slurm/README.md.
+(rhymerl.launch.child_signals). See slurm/README.md.
 
 A USR1 sent to the batch shell (``--signal=B:USR1@lead``, ``scancel --batch``) is not
 forwarded as a signal: it can arrive before the tasks have installed their handlers, and
@@ -128,7 +128,7 @@ def requeue_current_job(timeout_s: float = 30.0) -> bool:
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return False
-    from rhymerl.child_signals import shielded_start
+    from rhymerl.launch.child_signals import shielded_start
 
     # In an array job SLURM_JOB_ID is this element's own id, which is what scontrol wants.
     # The requeue TERMs every process of the job step at once, scontrol included when it runs

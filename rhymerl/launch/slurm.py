@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig, load_config, redact_secrets
-from rhymerl.preflight import preflight
+from rhymerl.launch.preflight import preflight
 
 DEFAULT_ENTRY = ("-m", "rhymerl.launch.rank_main")
 # Below Linux's default ephemeral range (32768-60999), so an outgoing connection of

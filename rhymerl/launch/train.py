@@ -67,7 +67,7 @@ class StepLog:
             if dropped:
                 log.warning("%s: dropped %d row(s) of steps >= %d (or unreadable), which ran after the checkpoint "
                             "and run again now", path, dropped, resume_step)
-        from rhymerl.atomic import atomic_write_text
+        from rhymerl.outputs.atomic import atomic_write_text
 
         atomic_write_text(path, "".join(k + "\n" for k in keep))
 
@@ -85,7 +85,7 @@ def _plain_metrics(metrics: dict) -> dict:
 
 
 def _trace_rows(trainer, out) -> list[dict]:
-    """One rhymerl.traces row per response of the step."""
+    """One rhymerl.outputs.traces row per response of the step."""
     recs = trainer.last_batch_records
     return [{"prompt_id": recs[s.group].id, "epoch": out.epoch, "sample_idx": s.sample_idx, "token_ids": s.token_ids,
              "logprobs": s.logprobs, "reward": s.reward, "prompt_token_ids": s.prompt_ids} for s in out.samples]
@@ -100,10 +100,10 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
     preempt = preempt if preempt is not None else PreemptionHandler()
     import torch
 
-    from rhymerl.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
+    from rhymerl.outputs.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
     from rhymerl.trainer import Trainer
-    from rhymerl.tracking import Tracker
-    from rhymerl.training.process_groups import init_process_groups, world_comm
+    from rhymerl.outputs.tracking import Tracker
+    from rhymerl.distributed.process_groups import init_process_groups, world_comm
 
     if cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
@@ -207,7 +207,7 @@ def run_from_config(argv: list[str], preempt=None) -> int:
     except ConfigError as e:
         print(f"rhymerl: config error: {e}", file=sys.stderr)
         return 2
-    from rhymerl.versions import VersionMismatch, check_runtime_versions, check_torch_build
+    from rhymerl.launch.versions import VersionMismatch, check_runtime_versions, check_torch_build
 
     try:
         check_runtime_versions()
@@ -225,7 +225,7 @@ def run_from_config(argv: list[str], preempt=None) -> int:
         # kill a finished process with SIGUSR1 and mark the job FAILED.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     except Exception as e:
-        from rhymerl import user_errors
+        from rhymerl.launch import user_errors
 
         code = user_errors.report(e, Path(cfg.run.output_dir), rank)
         if code is None:

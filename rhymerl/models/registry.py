@@ -8,8 +8,9 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from rhymerl.atomic import atomic_folder
+from rhymerl.outputs.atomic import atomic_folder
 from rhymerl.config import ModelConfig, ModelShape, TinyModelConfig
+from rhymerl.models.errors import ModelError
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -19,10 +20,6 @@ SUPPORTED_ARCHITECTURES = {
 }
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
 BUILTIN_TINY = "builtin:tiny"
-
-
-class ModelError(ValueError):
-    """A model folder that cannot be used; the message says what is wrong."""
 
 
 def cache_root(model_cfg: ModelConfig) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 
-from rhymerl.models.registry import ModelError
+from rhymerl.models.errors import ModelError
 
 
 def find_smollm2_gguf() -> Path:

@@ -19,7 +19,7 @@ from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional, Sequence
 
-from rhymerl.child_signals import shield_this_process, shielded_start
+from rhymerl.launch.child_signals import shield_this_process, shielded_start
 from rhymerl.config import RewardConfig
 from rhymerl.rewards.scorers import BUILTIN_SCORERS, RewardItem, RewardResult, Scorer, resolve_kind
 

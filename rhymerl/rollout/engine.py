@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from rhymerl.config import HistoSpecConfig, RolloutConfig
-from rhymerl.rollout.layout import EngineLayout
+from rhymerl.rollout.placement import EnginePlacement
 
 logger = logging.getLogger(__name__)
 
@@ -311,7 +311,7 @@ def speculative_config(cfg: RolloutConfig) -> Optional[dict]:
 
 
 def vllm_engine_args(cfg: RolloutConfig, model_path: Path, text_cfg: dict, seed: int, dtype: str,
-                     layout: EngineLayout, on_cpu: bool, cpu_kv_cache_bytes: Optional[int] = None) -> dict:
+                     placement: EnginePlacement, on_cpu: bool, cpu_kv_cache_bytes: Optional[int] = None) -> dict:
     """The arguments of ``vllm.LLM`` for this rank's engine."""
     max_len = cfg.max_model_len
     mpe = text_cfg.get("max_position_embeddings")
@@ -338,14 +338,14 @@ def vllm_engine_args(cfg: RolloutConfig, model_path: Path, text_cfg: dict, seed:
     else:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = True
-    kwargs.update(layout.vllm_args())
+    kwargs.update(placement.vllm_args())
     return kwargs
 
 
-def _check_launcher_env(layout: EngineLayout) -> None:
+def _check_launcher_env(placement: EnginePlacement) -> None:
     """vLLM's external launcher reads the rank and device from the environment: it must agree
     with the rank this engine is built for."""
-    want = layout.launcher_env()
+    want = placement.launcher_env()
     have = {k: os.environ.get(k) for k in want}
     if have != want:
         raise RolloutError(f"rollout: the launcher's environment {have} does not match this rank's engine "
@@ -364,15 +364,15 @@ class RolloutEngine:
     _alive = 0
 
     def __init__(self, cfg: RolloutConfig, histospec_cfg: HistoSpecConfig, model_path: Path, seed: int,
-                 history: Any = None, dtype: str = "float32", layout: Optional[EngineLayout] = None,
+                 history: Any = None, dtype: str = "float32", placement: Optional[EnginePlacement] = None,
                  cpu_kv_cache_bytes: Optional[int] = None, progress: Any = None):
-        """``layout``: this rank's place among the world's engines (``rollout.layout``); None
+        """``placement``: this rank's place among the world's engines (``rollout.placement``); None
         is a single process's engine."""
         t0 = time.perf_counter()
-        layout = layout or EngineLayout(world_size=1, rank=0, local_rank=0, tensor_parallel=1)
-        self.layout = layout
+        placement = placement or EnginePlacement(world_size=1, rank=0, local_rank=0, tensor_parallel=1)
+        self.placement = placement
         self.cfg = cfg
-        # A rhymerl.progress.PhaseProgress (rank 0's console) or None: generate() reports into it.
+        # A rhymerl.outputs.progress.PhaseProgress (rank 0's console) or None: generate() reports into it.
         self.progress = progress
         self.histospec_cfg = histospec_cfg
         self.model_path = Path(model_path)
@@ -419,17 +419,17 @@ class RolloutEngine:
         self._history = history
         self._warned: set[str] = set()
 
-        kwargs = vllm_engine_args(cfg, self.model_path, text_cfg, seed, dtype, layout, self.on_cpu, cpu_kv_cache_bytes)
+        kwargs = vllm_engine_args(cfg, self.model_path, text_cfg, seed, dtype, placement, self.on_cpu, cpu_kv_cache_bytes)
         spec = kwargs["speculative_config"]
-        if layout.external_launcher:
-            _check_launcher_env(layout)
-        from rhymerl.devices import get_cpu_threads, set_cpu_threads
+        if placement.external_launcher:
+            _check_launcher_env(placement)
+        from rhymerl.distributed.devices import get_cpu_threads, set_cpu_threads
 
         threads = get_cpu_threads() if self.on_cpu else None
         self.llm = LLM(**kwargs)
         RolloutEngine._alive += 1
         if not self.on_cpu:
-            from rhymerl.devices import check_rank_device
+            from rhymerl.distributed.devices import check_rank_device
 
             # vLLM's worker sets the current device itself: it must have chosen this rank's GPU.
             check_rank_device("rollout engine built")
@@ -444,7 +444,7 @@ class RolloutEngine:
         self._engine = self.llm.llm_engine
         self._meter: Optional[_DrafterMeter] = None
         if spec is not None:
-            if layout.tensor_parallel > 1:
+            if placement.tensor_parallel > 1:
                 # Each TP rank runs its own scheduler and drafter; drafts that differ (timing-based
                 # draft lengths) would desynchronise the ranks: the first rank's drafts are used.
                 self.llm.collective_rpc(_share_drafts_over_tp)
@@ -688,7 +688,7 @@ class RolloutEngine:
             "drafter_calls": calls,
         }
         if self.cpu_threads is not None:
-            from rhymerl.devices import get_cpu_threads
+            from rhymerl.distributed.devices import get_cpu_threads
 
             self._metrics["cpu_threads"] = get_cpu_threads()
         if self._core is not None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rhymerl.config import AlgorithmConfig, ParallelConfig
 from rhymerl.training.base import PolicyBatch, StepMetrics, TrainingBackend
-from rhymerl.training.process_groups import ProcessGroups, destroy_process_groups, init_process_groups
+from rhymerl.distributed.process_groups import ProcessGroups, destroy_process_groups, init_process_groups
 
 
 def build_backend(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path, groups: ProcessGroups,

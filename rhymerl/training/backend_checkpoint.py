@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from rhymerl.child_signals import shielded_start, start_shielded_manager
+from rhymerl.launch.child_signals import shielded_start, start_shielded_manager
 
 BACKEND_META = "rhymerl_backend.json"
 # Weight files of a model folder; every other file (config, tokenizer, chat template...) travels
@@ -30,7 +30,7 @@ def hf_side_files(model_path: Path) -> list[Path]:
 
 def save_backend_checkpoint(folder: Path, model_path: Path, meta: dict, write_state: Callable[[Path], None]) -> None:
     """Collective: ``write_state(tmp)`` runs on every rank, then rank 0 finalises ``folder``."""
-    from rhymerl.atomic import atomic_write_text, fsync_tree
+    from rhymerl.outputs.atomic import atomic_write_text, fsync_tree
 
     folder = Path(folder)
     tmp = folder.parent / f".{folder.name}.tmp"

@@ -23,7 +23,7 @@ from rhymerl.training.megatron_backend import DTYPES, combine_metrics
 from rhymerl.training.micro_loss import micro_batch_loss, rows_to_train
 from rhymerl.training.microbatch import (left_pad_columns, pad_columns, policy_micro_batches, split_policy_rows,
                                          unpermute_rows, unscored_prefix)
-from rhymerl.training.process_groups import ProcessGroups
+from rhymerl.distributed.process_groups import ProcessGroups
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -56,7 +56,7 @@ def deepspeed_config(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, dt
 class DeepSpeedBackend:
     """``TrainingBackend`` on DeepSpeed ZeRO. Construct through ``rhymerl.training.build_backend``."""
 
-    # A rhymerl.progress.PhaseProgress (rank 0's console) or None; set by the trainer.
+    # A rhymerl.outputs.progress.PhaseProgress (rank 0's console) or None; set by the trainer.
     progress = None
 
     def __init__(self, parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path,

@@ -20,15 +20,15 @@ import torch
 import torch.distributed as dist
 
 from rhymerl.config import AlgorithmConfig, ParallelConfig
-from rhymerl.devices import autocast, autocast_dtype, bound_cpu_kernel_cache, float32_backward, without_autocast
-from rhymerl.resharding.exporter import HFExportStats, export_hf_buckets
+from rhymerl.distributed.devices import autocast, autocast_dtype, bound_cpu_kernel_cache, float32_backward, without_autocast
+from rhymerl.resharding.stream import HFExportStats, export_hf_buckets
 from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_hf
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint, shield_megatron_writer
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.micro_loss import micro_batch_loss, rows_to_train
 from rhymerl.training.microbatch import (left_pad_columns, pad_columns, plan_micro_batches, policy_micro_batches,
                                         rank_slice, split_micro, split_policy_rows, unpermute_rows, unscored_prefix)
-from rhymerl.training.process_groups import ProcessGroups
+from rhymerl.distributed.process_groups import ProcessGroups
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,7 +72,7 @@ def transformer_config(layout: ModelLayout, tp: int, pp: int, dtype: torch.dtype
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # Full recomputation, one layer per checkpoint: backward keeps only each layer's input
-    # (rhymerl.memory_plan counts activations the same way). Selective "layernorm"
+    # (rhymerl.distributed.memory_plan counts activations the same way). Selective "layernorm"
     # recomputation frees the norms' outputs once the next linear layer has read them.
     if recompute:
         recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -134,7 +134,7 @@ def layer_spec(attention: str):
 class MegatronBackend:
     """``TrainingBackend`` on megatron-core. Construct through ``rhymerl.training.build_backend``."""
 
-    # A rhymerl.progress.PhaseProgress (rank 0's console) or None; set by the trainer.
+    # A rhymerl.outputs.progress.PhaseProgress (rank 0's console) or None; set by the trainer.
     progress = None
 
     def __init__(self, parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path,

@@ -33,7 +33,7 @@ BACKENDS: Counter = Counter()
 def _own_free_bytes() -> int | None:
     import torch
 
-    from rhymerl import devices
+    from rhymerl.distributed import devices
 
     own = devices.rank_device()
     return int(torch.cuda.mem_get_info(own)[0]) if own is not None else None
@@ -94,8 +94,8 @@ def _count_backends() -> None:
     audit wraps these counters and still sees the real caller of each collective."""
     import torch.distributed as dist
 
-    from rhymerl import devices
-    from rhymerl.collective_audit import TENSOR_COLLECTIVES
+    from rhymerl.distributed import devices
+    from rhymerl.distributed.collective_audit import TENSOR_COLLECTIVES
 
     for name in TENSOR_COLLECTIVES:
         real = getattr(dist, name)
@@ -112,7 +112,7 @@ def _count_backends() -> None:
 def _device_facts(share: float) -> dict:
     import torch
 
-    from rhymerl import devices
+    from rhymerl.distributed import devices
 
     own = devices.rank_device()
     if own is None or not torch.cuda.is_available():
@@ -149,7 +149,7 @@ def _after_device_binding(install) -> None:
     """Run ``install`` once the driver has started its process groups, which binds the rank's GPU
     first: the recorders import vLLM and megatron-core, and an import that touched CUDA before
     the binding would put a context on GPU 0 of every rank, a fault the product itself avoids."""
-    from rhymerl.training import process_groups
+    from rhymerl.distributed import process_groups
 
     real = process_groups.init_process_groups
 
@@ -168,7 +168,7 @@ def main() -> int:
 
     # First: the driver expects its handler in place before anything slow starts.
     preempt = PreemptionHandler()
-    from rhymerl.collective_audit import CollectiveAudit
+    from rhymerl.distributed.collective_audit import CollectiveAudit
     from rhymerl.config import load_config
     from rhymerl.launch.train import run_from_config
 

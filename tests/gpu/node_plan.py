@@ -54,17 +54,17 @@ def check_plan(config: Path, device_gb: float) -> str:
     import json
 
     from rhymerl.config import ConfigError, load_config, validate
-    from rhymerl.memory_plan import check, estimate
+    from rhymerl.distributed.memory_plan import check, estimate
     from rhymerl.models import check_model_use, model_shape, resolve_model
     from rhymerl.resharding.layout import ModelLayout
-    from rhymerl.rollout.layout import engine_layout
+    from rhymerl.rollout.placement import engine_placement
 
     cfg = load_config(config, report_unused=False)
     world = cfg.parallel.world_size
     folder = resolve_model(cfg.model)
     dp = validate(cfg, model_shape(folder), world_size=world)
     check_model_use(folder, cfg.parallel.backend, cfg.data.chat_template)
-    layout = engine_layout(world, 0, 0, cfg.rollout.tensor_parallel, ranks_per_node=world)
+    layout = engine_placement(world, 0, 0, cfg.rollout.tensor_parallel, ranks_per_node=world)
     problem = live_histopipe_problem(cfg, world)
     if problem:
         raise ConfigError(f"histopipe.live: {problem}")
@@ -78,9 +78,9 @@ def check_plan(config: Path, device_gb: float) -> str:
 
 def main(argv: list[str]) -> int:
     from rhymerl.config import ConfigError
-    from rhymerl.memory_plan import MemoryPlanError
+    from rhymerl.distributed.memory_plan import MemoryPlanError
     from rhymerl.models import ModelError
-    from rhymerl.rollout.layout import EngineLayoutError
+    from rhymerl.rollout.placement import EnginePlacementError
 
     what = argv[0] if argv else ""
     try:
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
         if what == "plan" and len(argv) == 3:
             print(check_plan(Path(argv[1]), float(argv[2])))
             return 0
-    except (ConfigError, ModelError, MemoryPlanError, EngineLayoutError) as e:
+    except (ConfigError, ModelError, MemoryPlanError, EnginePlacementError) as e:
         print(f"node smoke: config error: {e}", file=sys.stderr)
         return 2
     print(__doc__, file=sys.stderr)

@@ -40,9 +40,9 @@ def _record(cls, name: str, label: str) -> None:
 def main() -> int:
     out, config, overrides = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     from rhymerl.launch.train import run
-    from rhymerl import devices
-    from rhymerl.checkpoint import CheckpointManager
-    from rhymerl.collective_audit import CollectiveAudit, lazy_device
+    from rhymerl.distributed import devices
+    from rhymerl.outputs.checkpoint import CheckpointManager
+    from rhymerl.distributed.collective_audit import CollectiveAudit, lazy_device
     from rhymerl.config import load_config
     from rhymerl.rollout.engine import RolloutEngine
     from rhymerl.training.megatron_backend import MegatronBackend

@@ -19,7 +19,7 @@ def ops(model_dir: Path, tp: int, pp: int):
     from rhymerl.config import AlgorithmConfig, ParallelConfig
     from rhymerl.training.base import PolicyBatch
     from rhymerl.training.megatron_backend import MegatronBackend
-    from rhymerl.training.process_groups import init_process_groups
+    from rhymerl.distributed.process_groups import init_process_groups
 
     pc = ParallelConfig(tensor_parallel=tp, pipeline_parallel=pp)
     world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))

@@ -26,7 +26,7 @@ def main() -> int:
     from rhymerl.rollout import RolloutEngine, SamplingSpec
     from rhymerl.training import build_backend
     from rhymerl.training.base import PolicyBatch
-    from rhymerl.training.process_groups import init_process_groups
+    from rhymerl.distributed.process_groups import init_process_groups
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = resolve_model(ModelConfig(path="builtin:tiny"))

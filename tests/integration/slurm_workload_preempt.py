@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rhymerl.launch.preemption import PreemptionHandler, requeue_current_job
-from rhymerl.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
+from rhymerl.outputs.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
 from rhymerl.config import load_config, to_dict
 
 

@@ -1,6 +1,6 @@
 """Two ranks, one RL step, a checkpoint, then a resumed step, with every collective audited.
 
-gloo is declared to take ``lazy`` tensors (``rhymerl.devices``), so a collective that is handed
+gloo is declared to take ``lazy`` tensors (``rhymerl.distributed.devices``), so a collective that is handed
 a tensor made without asking for its group's device (a CPU tensor, as an NCCL group would
 refuse) fails the run. The same run records the colocation calls and checks their order:
 at start-up the training state (policy and KL reference) leaves the device before the engine

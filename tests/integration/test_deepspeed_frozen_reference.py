@@ -14,7 +14,7 @@ def test_frozen_reference_has_no_optimizer_and_scores_like_the_model(tiny_model_
 
     from rhymerl.config import AlgorithmConfig, ParallelConfig
     from rhymerl.training.deepspeed_backend import DeepSpeedBackend, token_logprobs
-    from rhymerl.training.process_groups import ProcessGroups
+    from rhymerl.distributed.process_groups import ProcessGroups
 
     # One rank, no process group: a frozen model needs none (DeepSpeed's engine would).
     groups = ProcessGroups(world_size=1, rank=0, tp=None, pp=None, dp=None, mp=None, embd=None, pos_embd=None,

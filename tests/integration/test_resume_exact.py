@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rhymerl.checkpoint import verify_checkpoint
+from rhymerl.outputs.checkpoint import verify_checkpoint
 
 pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slow]
 

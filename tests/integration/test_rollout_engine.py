@@ -332,7 +332,7 @@ def test_engine_decodes_with_the_process_threads(model_dir):
     the in-process engine keeps the threads the process had when it was built (training's)."""
     import torch
 
-    from rhymerl.devices import set_cpu_threads
+    from rhymerl.distributed.devices import set_cpu_threads
 
     before = torch.get_num_threads()
     set_cpu_threads(2)

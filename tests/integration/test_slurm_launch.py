@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from rhymerl.launch.slurm import master_port_block, render_script
-from rhymerl.checkpoint import verify_checkpoint
+from rhymerl.outputs.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
 from slurm_helpers import (  # noqa: F401  (slurm_cluster is a fixture)
     REPO, TERMINAL, job_info, slurm_cluster, start_job, submit_and_wait, wait_job, wait_until,

@@ -22,7 +22,7 @@ from typing import Optional
 import pytest
 
 from rhymerl.launch.slurm import render_script
-from rhymerl.checkpoint import verify_checkpoint
+from rhymerl.outputs.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
 from slurm_helpers import REPO, TERMINAL, SlurmJob, job_info, wait_job, wait_until
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from rhymerl.launch.slurm import render_script
-from rhymerl.checkpoint import verify_checkpoint
+from rhymerl.outputs.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
 from slurm_helpers import REPO, TERMINAL, SlurmJob, job_info, slurm_cluster, start_job  # noqa: F401
 from wandb_helpers import history_by_step, offline_runs, run_record

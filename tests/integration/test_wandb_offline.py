@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from rhymerl.config import TrackingConfig
-from rhymerl.tracking import Tracker
+from rhymerl.outputs.tracking import Tracker
 
 from wandb_helpers import history_by_step, offline_runs, run_record
 
@@ -79,7 +79,7 @@ def test_sigkilled_process_keeps_its_logged_steps(tmp_path):
         import sys, time
         from pathlib import Path
         from rhymerl.config import TrackingConfig
-        from rhymerl.tracking import Tracker
+        from rhymerl.outputs.tracking import Tracker
         tr = Tracker(TrackingConfig(console="none"), Path({str(tmp_path)!r}), "killed", {{}})
         for step in range(1, 4):
             tr.log(step, {{"x": step}})

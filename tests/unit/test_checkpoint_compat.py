@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rhymerl.checkpoint import IncompatibleCheckpoint, check_compatible
+from rhymerl.outputs.checkpoint import IncompatibleCheckpoint, check_compatible
 from rhymerl.config import load_config, to_dict
 
 pytestmark = pytest.mark.cpu

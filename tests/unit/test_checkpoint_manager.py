@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rhymerl.checkpoint import (
+from rhymerl.outputs.checkpoint import (
     CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state, verify_checkpoint,
 )
 from rhymerl.config import CheckpointConfig
@@ -156,7 +156,7 @@ def test_all_corrupt_folder_under_auto_is_an_error(tmp_path):
 
 
 def test_assign_files_gives_each_rank_its_own_and_balances_the_rest():
-    from rhymerl.checkpoint import assign_files
+    from rhymerl.outputs.checkpoint import assign_files
 
     files = {"ranks/rank-00001.pkl": 10, "ranks/rank-00000.pkl": 10, "backend/__1_0.distcp": 1000,
              "backend/__0_0.distcp": 900, "backend/common.pt": 500, "state/history.bin": 400,
@@ -345,7 +345,7 @@ def _run_ranks(n: int, fn) -> dict:
 
 
 def test_collective_save_and_verify_hash_each_file_once(tmp_path, monkeypatch):
-    import rhymerl.checkpoint as ck
+    import rhymerl.outputs.checkpoint as ck
 
     world = _ThreadWorld(3)
     hashed: list[tuple[str, str]] = []

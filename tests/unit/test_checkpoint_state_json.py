@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from rhymerl import state_json
-from rhymerl.checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
+from rhymerl.outputs import state_json
+from rhymerl.outputs.checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
 from rhymerl.config import CheckpointConfig, HistoPipeConfig
 
 pytestmark = pytest.mark.cpu

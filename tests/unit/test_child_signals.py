@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 PARENT = textwrap.dedent("""
     import os, signal, sys, time
     from rhymerl.launch.preemption import PreemptionHandler
-    from rhymerl.child_signals import start_shielded_manager
+    from rhymerl.launch.child_signals import start_shielded_manager
     from rhymerl.config import RewardConfig
     from rhymerl.rewards import RewardItem, RewardPool
 

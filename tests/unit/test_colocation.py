@@ -1,10 +1,10 @@
-"""The colocation protocol's per-step calls and metrics (rhymerl.colocation)."""
+"""The colocation protocol's per-step calls and metrics (rhymerl.distributed.colocation)."""
 
 from __future__ import annotations
 
 import pytest
 
-from rhymerl.colocation import Colocation
+from rhymerl.distributed.colocation import Colocation
 
 pytestmark = pytest.mark.cpu
 
@@ -170,7 +170,7 @@ def test_host_heap_is_trimmed_after_every_hand_over_and_reported():
 def test_host_heap_trimmer_releases_freed_pages_of_this_process():
     import ctypes
 
-    from rhymerl.devices import host_heap_trimmer, resident_bytes
+    from rhymerl.distributed.devices import host_heap_trimmer, resident_bytes
 
     trim = host_heap_trimmer()
     if trim is None:

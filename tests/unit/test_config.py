@@ -100,7 +100,7 @@ def test_cli_print_config_and_bad_override():
         assert r.returncode != 0 and key in r.stderr
 
 
-@pytest.mark.parametrize("cmd", [["--help"], ["train", "--help"], ["bench", "--help"], ["simulate", "--help"], ["export", "--help"], ["slurm", "--help"]])
+@pytest.mark.parametrize("cmd", [["--help"], ["train", "--help"], ["export", "--help"], ["slurm", "--help"]])
 def test_cli_help(cmd):
     r = subprocess.run([sys.executable, "-m", "rhymerl", *cmd], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and "usage" in r.stdout

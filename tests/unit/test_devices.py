@@ -1,7 +1,7 @@
-"""Collectives take tensors on their group's device (rhymerl.devices, rhymerl.collective_audit).
+"""Collectives take tensors on their group's device (rhymerl.distributed.devices, rhymerl.distributed.collective_audit).
 
 A one-rank gloo world is declared to take ``lazy`` tensors: a collective handed a CPU tensor
-(what an NCCL group would refuse) is caught; one built through ``rhymerl.devices`` passes and
+(what an NCCL group would refuse) is caught; one built through ``rhymerl.distributed.devices`` passes and
 still computes the right result (bridged to gloo's CPU).
 """
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rhymerl import devices
-from rhymerl.collective_audit import CollectiveAudit, CollectiveDeviceError, lazy_device
-from rhymerl.collectives import all_reduce_max
+from rhymerl.distributed import devices
+from rhymerl.distributed.collective_audit import CollectiveAudit, CollectiveDeviceError, lazy_device
+from rhymerl.distributed.collectives import all_reduce_max
 
 pytestmark = pytest.mark.cpu
 
@@ -153,7 +153,7 @@ def test_nccl_collectives_are_held_to_the_ranks_own_gpu_not_the_current_one(rank
     audit expects: an NCCL tensor on another GPU is this rank's error, even if it is current."""
     assert devices.native_backend_device("nccl") == torch.device("cuda", 3)
     assert devices.backend_device("nccl") == torch.device("cuda", 3)
-    from rhymerl.collective_audit import _same_device
+    from rhymerl.distributed.collective_audit import _same_device
 
     assert not _same_device(torch.device("cuda", 0), devices.native_backend_device("nccl"))
 
@@ -161,7 +161,7 @@ def test_nccl_collectives_are_held_to_the_ranks_own_gpu_not_the_current_one(rank
 def test_object_collectives_of_an_nccl_world_go_over_a_gloo_group(one_rank_gloo):
     """Pickled messages (HistoPipe's progress exchange, gathered samples, checkpoint votes) would
     round-trip through CUDA tensors over NCCL: the trainer's comm takes the world's gloo group."""
-    from rhymerl.training.process_groups import cpu_world_group, world_comm
+    from rhymerl.distributed.process_groups import cpu_world_group, world_comm
 
     group = cpu_world_group("nccl")
     assert group is not dist.group.WORLD and dist.get_backend(group) == "gloo"

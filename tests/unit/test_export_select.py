@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from rhymerl.checkpoint import CheckpointManager
+from rhymerl.outputs.checkpoint import CheckpointManager
 from rhymerl.config import CheckpointConfig
-from rhymerl.resharding.export import ExportError, _share_like_umask, _step_of_backend, find_backend_checkpoint
+from rhymerl.resharding.hf_export import ExportError, _share_like_umask, _step_of_backend, find_backend_checkpoint
 from rhymerl.training.backend_checkpoint import BACKEND_META, hf_side_files
 
 pytestmark = pytest.mark.cpu

@@ -154,7 +154,7 @@ def test_collectives_device_error_fails():
 
 
 def test_collectives_device_error_in_the_logs_fails():
-    log = "rank 3: rhymerl.collective_audit.CollectiveDeviceError: torch.distributed.broadcast(tensor=...) ...\n"
+    log = "rank 3: rhymerl.distributed.collective_audit.CollectiveDeviceError: torch.distributed.broadcast(tensor=...) ...\n"
     ok, detail = nc.check_collectives(runs(), "step 0 ok\n" + log)
     assert not ok and detail.startswith("logged: rank 3") and "broadcast" in detail
 

@@ -5,8 +5,8 @@ import pytest
 
 from rhymerl.config import HistoPipeConfig
 from rhymerl.histopipe import LengthPredictor
-from rhymerl.histopipe.simulator import predictions, predictor_error, trained_predictor
-from rhymerl.histopipe.workload import synthetic
+from benchmarks.simulate.simulator import predictions, predictor_error, trained_predictor
+from benchmarks.simulate.workload import synthetic
 
 pytestmark = pytest.mark.cpu
 

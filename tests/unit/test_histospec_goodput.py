@@ -498,7 +498,7 @@ def _replay_drafts(trace, cfg, epochs_feedback_zero=(), as_array=False):
     ``as_array``: each request's tokens so far as a view of an int32 array, as the engine passes them."""
     from rhymerl.histospec import prompt_key
     from rhymerl.histospec.acceptance import accepted_prefix
-    from rhymerl.traces import by_epoch
+    from rhymerl.outputs.traces import by_epoch
     ep = by_epoch(trace)
     store = HistoryStore(cfg)
     p = DraftProposer(store, cfg)
@@ -538,7 +538,7 @@ def test_compiled_index_reads_draft_what_the_python_reads_draft(monkeypatch, tre
     compiled: every draft of an engine-order replay is the one its pure-Python walks give,
     from lists and from NumPy views alike."""
     from rhymerl.histospec import index
-    from rhymerl.histospec.synthetic import synthetic_trace
+    from benchmarks.synthetic import synthetic_trace
     trace = synthetic_trace(num_prompts=5, n=4, epochs=3, similarity=0.6, mean_len=80, seed=4)
     # Sources compared unscaled: on this trace the shared index then wins drafts too, so its
     # compiled reads are checked as well as the history's.
@@ -564,7 +564,7 @@ def test_compiled_index_reads_draft_what_the_python_reads_draft(monkeypatch, tre
 def test_skipped_searches_change_no_draft(monkeypatch):
     """With no search cost the skip is exact: the drafts are those of searching every request."""
     from rhymerl.histospec import proposer as proposer_mod
-    from rhymerl.histospec.synthetic import synthetic_trace
+    from benchmarks.synthetic import synthetic_trace
     trace = synthetic_trace(num_prompts=6, n=4, epochs=3, similarity=0.3, mean_len=60, seed=1)
     # Half the prompts' later responses are their tokens shuffled: the history still matches
     # single tokens and drafts, and the drafts keep failing (a policy that moved away).

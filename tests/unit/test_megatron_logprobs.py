@@ -16,7 +16,7 @@ def one_rank(one_rank_gloo):
     import megatron_patches
 
     from rhymerl.config import ParallelConfig
-    from rhymerl.training.process_groups import destroy_process_groups, init_process_groups
+    from rhymerl.distributed.process_groups import destroy_process_groups, init_process_groups
 
     fresh = not megatron_patches.applied()
     try:
@@ -177,7 +177,7 @@ def test_rows_without_advantage_are_not_run_and_the_update_is_unchanged(one_rank
 def onednn_env(monkeypatch):
     """The backend bounds oneDNN's cache through the environment when it autocasts on CPU; keep
     that out of the rest of the session (and the subprocesses it starts)."""
-    from rhymerl.devices import ONEDNN_PRIMITIVE_CACHE
+    from rhymerl.distributed.devices import ONEDNN_PRIMITIVE_CACHE
 
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
 

@@ -15,7 +15,7 @@ def one_rank(one_rank_gloo):
     import megatron_patches
 
     from rhymerl.config import ParallelConfig
-    from rhymerl.training.process_groups import destroy_process_groups, init_process_groups
+    from rhymerl.distributed.process_groups import destroy_process_groups, init_process_groups
 
     fresh = not megatron_patches.applied()
     try:

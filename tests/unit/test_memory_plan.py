@@ -1,4 +1,4 @@
-"""The start-up memory fit check (rhymerl.memory_plan) on the shipped cluster configs."""
+"""The start-up memory fit check (rhymerl.distributed.memory_plan) on the shipped cluster configs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rhymerl.config import load_config
-from rhymerl.memory_plan import GB, MemoryPlanError, check, check_run, estimate, model_params
+from rhymerl.distributed.memory_plan import GB, MemoryPlanError, check, check_run, estimate, model_params
 from rhymerl.resharding.layout import ModelLayout
 
 pytestmark = pytest.mark.cpu
@@ -150,7 +150,7 @@ def test_cpu_host_without_a_device_size_is_not_held_to_a_budget(tmp_path):
 
 def test_cpu_kv_cache_is_sized_from_the_step():
     from rhymerl.config import RolloutConfig
-    from rhymerl.memory_plan import cpu_kv_cache_bytes, kv_bytes_per_token
+    from rhymerl.distributed.memory_plan import cpu_kv_cache_bytes, kv_bytes_per_token
 
     layout = ModelLayout.from_hf_config(QWEN25_05B)
     per_token = kv_bytes_per_token(layout, 4, 1)  # 24 layers x 2 KV heads x 64 x (K, V) x fp32

@@ -12,7 +12,7 @@ import yaml
 
 import rhymerl.launch.slurm as sl
 from rhymerl.config import ConfigError, load_config
-from rhymerl.preflight import preflight
+from rhymerl.launch.preflight import preflight
 
 pytestmark = pytest.mark.cpu
 REPO = Path(__file__).resolve().parents[2]

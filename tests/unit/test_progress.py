@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from rhymerl.progress import PhaseProgress
+from rhymerl.outputs.progress import PhaseProgress
 
 pytestmark = pytest.mark.cpu
 

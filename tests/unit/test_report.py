@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from rhymerl.cli import main as cli_main
-from rhymerl.report import ReportError, load_run, write_report
+from rhymerl.outputs.report import ReportError, load_run, write_report
 
 pytestmark = pytest.mark.cpu
 

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from rhymerl.resharding.exporter import HFExportStats, export_hf_buckets
+from rhymerl.resharding.stream import HFExportStats, export_hf_buckets
 from rhymerl.resharding.layout import (
     LayoutError,
     ModelLayout,

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from rhymerl.config import TrackingConfig
-from rhymerl.tracking import Tracker, new_run_id
+from rhymerl.outputs.tracking import Tracker, new_run_id
 
 pytestmark = pytest.mark.cpu
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import pytest
 
-from rhymerl.collectives import WorldComm
-from rhymerl.colocation import Colocation
+from rhymerl.distributed.collectives import WorldComm
+from rhymerl.distributed.colocation import Colocation
 from rhymerl.config import load_config
 from rhymerl.data import EpochSampler, PromptRecord
 from rhymerl.histopipe import LengthPredictor, NoopPlanner
 from rhymerl.histospec import HistoryStore, prompt_key
 from rhymerl.rewards import RewardPool, RewardResult
 from rhymerl.rollout.engine import Response, RolloutResult
-from rhymerl.progress import PhaseProgress
+from rhymerl.outputs.progress import PhaseProgress
 from rhymerl.trainer import Trainer
 
 pytestmark = pytest.mark.cpu

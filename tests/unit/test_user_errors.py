@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rhymerl import user_errors
-from rhymerl.checkpoint import CheckpointError, IncompatibleCheckpoint
+from rhymerl.launch import user_errors
+from rhymerl.outputs.checkpoint import CheckpointError, IncompatibleCheckpoint
 from rhymerl.config import ConfigError
 from rhymerl.data.records import DatasetError
 from rhymerl.models import ModelError

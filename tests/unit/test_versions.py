@@ -2,7 +2,7 @@
 
 import pytest
 
-from rhymerl import versions
+from rhymerl.launch import versions
 
 pytestmark = pytest.mark.cpu
 
