@@ -1,0 +1,2 @@
+"""Ranks, devices and process groups; collectives and their device audit; time-sharing one
+device between the rollout engine and training, and its memory plan."""
