@@ -1,27 +1,9 @@
-"""Preemption and cancel: turn the job's signals into flags the trainer polls at safe points.
-
-- SIGUSR1 is a preemption notice (``#SBATCH --signal=USR1@N`` before the time limit,
-  ``scancel --signal=USR1``, or forwarded by the batch shell): checkpoint at the next step
-  end, then rank 0 calls ``requeue_current_job()`` and the requeued job resumes.
-- SIGTERM is a stop (``scancel JOB``, the time limit itself, a preemption with Slurm's own
-  ``PreemptMode=REQUEUE``, which requeues by itself): checkpoint at the next step end if
-  the job lives that long, and exit without requeueing. After a USR1 it stays a preemption.
-
-A signal handler must not checkpoint by itself: it can fire in the middle of a collective
-or an optimizer step. So the handler only records the request; the trainer checks
-``requested`` at the end of a step and agrees across ranks. Slurm delivers these signals to
-every process of the job; the trainer's helper processes are shielded from them
-(rhymerl.launch.child_signals). See slurm/README.md.
-
-A USR1 sent to the batch shell (``--signal=B:USR1@lead``, ``scancel --batch``) is not
-forwarded as a signal: it can arrive before the tasks have installed their handlers, and
-kill them. The shell's trap creates the notice file named by ``RHYMERL_PREEMPT_NOTICE``
-instead, which the handler treats as a USR1 when the trainer polls it.
-"""
+"""Preemption and cancel: the job's signals become flags the trainer polls at safe points."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,17 +13,11 @@ from types import FrameType
 from typing import Iterable, Optional
 
 NOTICE_ENV = "RHYMERL_PREEMPT_NOTICE"
-
-
 PREEMPT_SIGNALS = frozenset({signal.SIGUSR1})
 
 
 class PreemptionHandler:
-    """Installs handlers for ``signals`` that set a flag; ``restore()`` puts the old ones back.
-
-    Use as a context manager or keep it for the life of the process. Handlers can only be
-    installed from the main thread (a Python rule); elsewhere this raises ValueError.
-    """
+    """Installs flag-setting handlers for ``signals`` (main thread only); ``restore()`` puts the old back."""
 
     def __init__(self, signals: Iterable[int] = (signal.SIGUSR1, signal.SIGTERM), *, verbose: bool = True,
                  notice_file: Optional[str] = None):
@@ -65,9 +41,10 @@ class PreemptionHandler:
             self._requested_at = time.monotonic()
         if self._verbose and first:
             then = "requeue" if self._received & PREEMPT_SIGNALS else "stop without requeueing"
-            # os.write: print() is not safe inside a signal handler (re-entrant buffered IO).
+            # os.write: print() is unsafe here. No promise: Slurm also TERMs ranks when one died.
             os.write(sys.stderr.fileno(), f"[rhymerl] received {signal.Signals(signum).name}: "
-                                          f"will checkpoint and {then} at the next safe point\n".encode())
+                                          f"will checkpoint and {then} at the next safe point, if every rank "
+                                          "gets there\n".encode())
 
     def _poll_notice(self) -> None:
         if self._notice_file is None or self._notice_seen or not self._notice_file.exists():
@@ -119,24 +96,16 @@ class PreemptionHandler:
 
 
 def requeue_current_job(timeout_s: float = 30.0) -> bool:
-    """``scontrol requeue $SLURM_JOB_ID``; returns True when a requeue was issued.
-
-    Call from rank 0 only, after the checkpoint is complete on every rank: the requeue
-    terminates every task of the job. Returns False outside Slurm or when scontrol fails
-    (the message goes to stderr), so the caller can simply exit 0 and let the user resubmit.
-    """
+    """``scontrol requeue $SLURM_JOB_ID`` (rank 0, once the checkpoint is complete); False if not issued."""
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         return False
     from rhymerl.launch.child_signals import shielded_start
 
-    # In an array job SLURM_JOB_ID is this element's own id, which is what scontrol wants.
-    # The requeue TERMs every process of the job step at once, scontrol included when it runs
-    # inside the step: it starts with the job's signals blocked, so it lives to report success.
+    # The requeue TERMs the whole job step, scontrol included: it starts with the signals blocked.
     try:
         with shielded_start():
-            res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True,
-                                 timeout=timeout_s)
+            res = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=timeout_s)
     except (OSError, subprocess.TimeoutExpired) as e:
         print(f"[rhymerl] scontrol requeue {job_id} failed: {e}", file=sys.stderr, flush=True)
         return False
@@ -146,3 +115,28 @@ def requeue_current_job(timeout_s: float = 30.0) -> bool:
         return False
     print(f"[rhymerl] requeued Slurm job {job_id}", file=sys.stderr, flush=True)
     return True
+
+
+def restarts_of(show_job: str) -> Optional[int]:
+    """The ``Restarts=N`` of ``scontrol show job -o`` output; None if absent."""
+    m = re.search(r"\bRestarts=(\d+)", show_job)
+    return int(m.group(1)) if m else None
+
+
+def requeued_by_slurm(timeout_s: float = 10.0) -> Optional[bool]:
+    """After a SIGTERM: whether Slurm is requeueing this job itself; None when it cannot say."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id:
+        return None
+    from rhymerl.launch.child_signals import shielded_start
+
+    try:
+        with shielded_start():
+            res = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                                 timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    restarts = restarts_of(res.stdout) if res.returncode == 0 else None
+    if restarts is None:
+        return None
+    return restarts > int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)

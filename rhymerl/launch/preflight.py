@@ -1,11 +1,4 @@
-"""Checks of what a config names, run before anything is queued or started.
-
-`--print-config` and `slurm render|submit` call ``preflight``: a job that would fail at
-start-up (an unknown reasoning-gym task, a missing model folder or data file, a TP size
-the model's heads do not allow, a response longer than the engine's context) is refused
-on the login node, not after it has waited in the queue. Each failure is a ConfigError
-naming the key.
-"""
+"""Checks of what a config names, before anything is queued or started (ConfigError naming the key)."""
 
 from __future__ import annotations
 
@@ -23,19 +16,18 @@ def check_lengths(cfg: RunConfig) -> None:
 
 
 def check_model(cfg: RunConfig, world_size: Optional[int]) -> None:
-    """A folder must be a loadable HF model whose shape allows the parallel layout."""
-    from rhymerl.models.registry import BUILTIN_SMOLLM2, BUILTIN_TINY, ModelError, model_shape, validate_model_folder
+    """A loadable HF model whose shape allows the parallel layout and the prompt and response lengths."""
+    from rhymerl.models.registry import ModelError, builtin_shape, model_shape, validate_model_folder
 
     path = cfg.model.path
-    if path in (BUILTIN_SMOLLM2, BUILTIN_TINY):
-        return  # built on first use, by the job itself
-    if path.startswith("builtin:"):
-        raise ConfigError(f"model.path: unknown built-in {path!r}; allowed: {BUILTIN_SMOLLM2!r}, {BUILTIN_TINY!r}, "
-                          "or an HF folder")
     try:
-        folder = Path(path).expanduser()
-        validate_model_folder(folder)
-        validate(cfg, model_shape(folder), world_size=world_size)
+        if path.startswith("builtin:"):
+            shape = builtin_shape(cfg.model)
+        else:
+            folder = Path(path).expanduser()
+            validate_model_folder(folder)
+            shape = model_shape(folder)
+        validate(cfg, shape, world_size=world_size)
     except ModelError as e:
         raise ConfigError(str(e)) from None
 

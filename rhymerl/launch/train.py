@@ -1,9 +1,4 @@
-"""The run driver: process groups -> trainer -> steps, with resume, tracking and preemption.
-
-`python -m rhymerl train CONFIG ...` lands in ``run_from_config`` (one process, or one
-rank of torchrun/srun when the launcher's environment says so). ``rhymerl/launch/rank_main.py``
-is the same entry for srun/torchrun tasks.
-"""
+"""The run driver: process groups -> trainer -> steps, with resume, tracking and preemption."""
 
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ def _seed_everything(seed: int) -> None:
 
 
 class StepLog:
-    """A JSONL file of per-step rows in the run folder, cut back to the resume point on resume
-    (rows of steps that ran after the checkpoint, before a kill, are replayed)."""
+    """A JSONL file of per-step rows in the run folder, cut back to the resume point on resume."""
 
     def __init__(self, path: Path, resume_step: int, enabled: bool):
         self.path = path
@@ -71,6 +65,18 @@ class StepLog:
 
         atomic_write_text(path, "".join(k + "\n" for k in keep))
 
+    def rows(self) -> list[dict]:
+        """The file's rows (none when disabled: not rank 0)."""
+        if not self.enabled or not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return out
+
     def append(self, step: int, rows: list[dict]) -> None:
         if not self.enabled:
             return
@@ -78,6 +84,11 @@ class StepLog:
             f.write("".join(json.dumps({"step": step, **r}) + "\n" for r in rows))
             f.flush()
             os.fsync(f.fileno())
+
+
+# What the stop line says of the job, by rhymerl.launch.preemption.requeued_by_slurm's answer.
+REQUEUE_WORDS = {True: "job requeued by Slurm", False: "job not requeued",
+                 None: "Slurm did not say whether it requeues the job"}
 
 
 def _plain_metrics(metrics: dict) -> dict:
@@ -92,24 +103,40 @@ def _trace_rows(trainer, out) -> list[dict]:
 
 
 def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int:
-    """``preempt``: a rhymerl.launch.preemption.PreemptionHandler installed by the caller as early as
-    possible (a signal before it exists kills the process); one is installed here otherwise."""
-    from rhymerl.launch.preemption import PreemptionHandler, requeue_current_job
-    from rhymerl.launch.time_limit import watch_from_env
-
-    preempt = preempt if preempt is not None else PreemptionHandler()
-    import torch
-
-    from rhymerl.outputs.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
-    from rhymerl.trainer import Trainer
-    from rhymerl.outputs.tracking import Tracker
+    """``preempt``: the caller's PreemptionHandler, installed as early as possible (else one here). A rank's
+    death ends every surviving rank with a line naming it (``PeerWatch``)."""
+    from rhymerl.launch.preemption import PreemptionHandler
+    from rhymerl.distributed.peer_watch import DIAGNOSE_S, PeerWatch
     from rhymerl.distributed.process_groups import init_process_groups, world_comm
 
-    if cfg.run.cpu_threads:
-        torch.set_num_threads(cfg.run.cpu_threads)
+    preempt = preempt if preempt is not None else PreemptionHandler()
     _seed_everything(cfg.run.seed + rank)
     groups = init_process_groups(cfg.parallel, world_size, rank)
-    comm = world_comm(groups)
+    watch = PeerWatch.from_env(rank, world_size)
+    where = {"at": "while the run started"}
+    try:
+        return _train(cfg, rank, world_size, preempt, groups, world_comm(groups), where)
+    except Exception as e:
+        lost = watch.explain(e, where["at"]) if watch is not None else None
+        if lost is not None:
+            raise lost from e
+        raise
+    finally:
+        if watch is not None:
+            # Rank 0 holds the store the others read to name the dead: it leaves after them.
+            linger = DIAGNOSE_S + 2 if watch.lost and rank == 0 else 0
+            watch.close("lost-peer" if watch.lost else "done", linger_s=linger)
+
+
+def _train(cfg: RunConfig, rank: int, world_size: int, preempt, groups, comm, where: dict) -> int:
+    """The run on started process groups; ``where["at"]`` says which step it is in."""
+    from rhymerl.launch.preemption import requeue_current_job, requeued_by_slurm
+    from rhymerl.launch.time_limit import watch_from_env
+    from rhymerl.outputs.checkpoint import CheckpointManager, capture_rng_state, check_compatible, restore_rng_state
+    from rhymerl.outputs.disk_space import checkpoint_bytes_estimate
+    from rhymerl.outputs.tracking import Tracker
+    from rhymerl.trainer import Trainer
+
     run_dir = Path(cfg.run.output_dir)
     # Collective: a bad checkpoint.resume raises on every rank; files are verified once, in parallel.
     ckpt = CheckpointManager(cfg.checkpoint, run_dir, rank, world_size, barrier=comm.barrier,
@@ -125,7 +152,6 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
         trainer.load_state_blobs({**loaded.state["trainer"], "history": loaded.state["history"]})
         if loaded.rank_state is not None:
             restore_rng_state(loaded.rank_state["rng"])
-            # HistoSpec's learnt acceptance: the resumed run drafts as the uninterrupted one.
             trainer.engine.load_drafter_state(loaded.rank_state.get("drafter"))
         run_id = loaded.state.get("wandb_run_id")
         if rank == 0:
@@ -135,23 +161,25 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
     tracker = Tracker(cfg.tracking, run_dir, cfg.run.name, to_dict(cfg), rank, resume_run_id=run_id, max_steps=total)
     metrics_file = StepLog(run_dir / "metrics.jsonl", trainer.step, enabled=rank == 0)
     traces_file = StepLog(run_dir / "traces.jsonl", trainer.step, enabled=rank == 0 and cfg.run.save_traces)
+    # W&B gets what an earlier segment's W&B lost, and not the steps it holds that this one repeats.
+    tracker.catch_up(metrics_file.rows())
 
     def save() -> None:
         blobs = trainer.state_blobs()
         history = blobs.pop("history")
         ckpt.save(trainer.step, {"trainer": blobs, "history": history, "wandb_run_id": tracker.run_id},
                   rank_state={"rng": capture_rng_state(), "drafter": trainer.engine.drafter_state()},
-                  backend_save=trainer.backend.save_checkpoint,
-                  config=to_dict(cfg))
+                  backend_save=trainer.backend.save_checkpoint, config=to_dict(cfg),
+                  expected_bytes=checkpoint_bytes_estimate(trainer.model_path, cfg.model.dtype) + len(history))
 
     # Only rank 0 asks Slurm; the decision reaches every rank through the step-end all-reduce.
-    time_watch = watch_from_env(cfg.slurm.signal_lead_s) if rank == 0 and cfg.slurm.watch_time_limit else None
+    time_watch = watch_from_env(cfg.slurm.signal_lead_s) if rank == 0 else None
     longest_step_s = 0.0
     exit_code = 0
     try:
-        # run.max_steps bounds the steps; otherwise run.epochs bounds the data (DAPO's dynamic
-        # sampling draws extra batches, so a step count would overrun the epochs).
+        # Else run.epochs bounds the data: DAPO's refills draw extra batches, so steps would overrun.
         while (trainer.step < cfg.run.max_steps) if cfg.run.max_steps else (trainer.sampler.next_epoch < cfg.run.epochs):
+            where["at"] = f"during step {trainer.step}"
             t_step = time.monotonic()
             out = trainer.train_step()
             tracker.log(out.step, out.metrics)
@@ -174,12 +202,13 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
                 # A step's cost, for the time-limit watch, includes its periodic checkpoint.
                 longest_step_s = max(longest_step_s, time.monotonic() - t_step)
             if stop and not last:
-                # W&B's files are complete before the job ends or is requeued.
-                tracker.finish()
+                # W&B's service may have died with the job's SIGTERM: log what it lost first.
+                tracker.repair(metrics_file.rows())
                 if not requeue:
                     if rank == 0:
-                        log.warning("stopped after step %d on %s: checkpoint saved, job not requeued",
-                                    trainer.step, preempt.signal_name)
+                        # A SIGTERM is a cancel, a time limit, or Slurm requeueing the job: ask which.
+                        log.warning("stopped after step %d on %s: checkpoint saved, %s", trainer.step,
+                                    preempt.signal_name, REQUEUE_WORDS[requeued_by_slurm()])
                     return 128 + signal.SIGTERM
                 if rank == 0:
                     requeued = requeue_current_job()
@@ -190,7 +219,7 @@ def run(cfg: RunConfig, rank: int = 0, world_size: int = 1, preempt=None) -> int
         exit_code = 1
         raise
     finally:
-        tracker.finish(exit_code)
+        tracker.repair(metrics_file.rows(), exit_code)
         trainer.close()
     return 0
 
@@ -207,6 +236,38 @@ def run_from_config(argv: list[str], preempt=None) -> int:
     except ConfigError as e:
         print(f"rhymerl: config error: {e}", file=sys.stderr)
         return 2
+    from rhymerl.launch import user_errors
+
+    rank, world_size, _ = launcher_env()
+    lock = None
+    if rank == 0:
+        from rhymerl.outputs.run_lock import RunFolderBusy, RunFolderLock
+
+        # Before anything is written: another run's folder gets nothing from us, not even an error log.
+        try:
+            lock = RunFolderLock(owned_folders(cfg)).acquire()
+        except RunFolderBusy as e:
+            return user_errors.report(e, None, rank)
+    try:
+        return _run_owned(cfg, rank, world_size, preempt)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def owned_folders(cfg: RunConfig) -> list[Path]:
+    """The folders a run writes into and must own: its run folder, and its checkpoint folder if elsewhere."""
+    run_dir = Path(cfg.run.output_dir).resolve()
+    folders = [run_dir]
+    if cfg.checkpoint.dir:
+        ckpt = Path(cfg.checkpoint.dir).resolve()
+        if not ckpt.is_relative_to(run_dir):
+            folders.append(ckpt)
+    return folders
+
+
+def _run_owned(cfg: RunConfig, rank: int, world_size: int, preempt) -> int:
+    from rhymerl.launch import user_errors
     from rhymerl.launch.versions import VersionMismatch, check_runtime_versions, check_torch_build
 
     try:
@@ -215,18 +276,15 @@ def run_from_config(argv: list[str], preempt=None) -> int:
     except VersionMismatch as e:
         print(f"rhymerl: {e}", file=sys.stderr)
         return 2
-    rank, world_size, _ = launcher_env()
     t0 = time.time()
     try:
+        from rhymerl.launch.preflight import check_model
+
+        check_model(cfg, world_size)  # The model's shape against the config (layout, lengths) before anything starts.
         rc = run(cfg, rank, world_size, preempt)
-        # The run is over (done, or checkpointed for a requeue). Teardown (engine, W&B, the
-        # interpreter's own finalisation, which puts default handlers back) takes seconds; a
-        # preemption warning arriving then (Slurm sends a requeued job's warning again) would
-        # kill a finished process with SIGUSR1 and mark the job FAILED.
+        # Teardown takes seconds; a SIGUSR1 arriving then would kill a finished run and mark the job FAILED.
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     except Exception as e:
-        from rhymerl.launch import user_errors
-
         code = user_errors.report(e, Path(cfg.run.output_dir), rank)
         if code is None:
             raise

@@ -1,29 +1,5 @@
-"""Save and resume everything a run needs to continue exactly.
-
-Layout of one checkpoint (``<dir>/step-000012/``)::
-
-    backend/            written by the training backend's own collective save
-    state/<key>.bin     opaque blobs given as bytes (history store, ...)
-    state/<key>.json    other state (counters, sampler, predictor; rhymerl.outputs.state_json)
-    ranks/rank-00003.json  per-rank state (RNG of python/numpy/torch, ...)
-    config.yaml         the resolved run config
-    manifest.json       sha256 and size of every file above; written LAST
-
-A folder is a checkpoint only if its manifest exists, parses and matches every file:
-anything else (killed mid-save, truncated by a full disk, manifest deleted) is
-incomplete and skipped with a warning. Saves go to ``.tmp-step-000012`` and are
-renamed into place only after everything is fsynced, so a step folder never holds a
-partial save, and an existing valid checkpoint is never overwritten. ``latest`` names
-the newest verified step folder; it is written after the verification and is only a
-hint (the newest valid folder wins if they disagree, e.g. after a crash between the
-rename and the pointer update).
-
-Multi-rank protocol (shared filesystem): rank 0 creates the temp folder, barrier,
-every rank runs the backend's collective save and writes its own rank file, barrier,
-rank 0 writes the blobs, the manifest, renames, verifies, updates ``latest`` and prunes
-beyond ``keep_last``, barrier. No rank returns before the checkpoint is final, so a
-rank may exit (or requeue the job) right after ``save`` returns.
-"""
+"""Save and resume everything a run needs to continue exactly: each ``step-N/`` is written in a temp folder,
+its manifest (sizes, sha256) last, and renamed into place; a folder is a checkpoint only if it verifies."""
 
 from __future__ import annotations
 
@@ -32,6 +8,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import time
 import warnings
@@ -43,13 +20,12 @@ import yaml
 
 from rhymerl.outputs import state_json
 from rhymerl.outputs.atomic import atomic_write_text, fsync_dir, fsync_tree
+from rhymerl.outputs.disk_space import NEARLY_FULL_BYTES, folder_bytes, free_bytes, full_message, ran_out, says_full
 from rhymerl.config import CheckpointConfig
 
 log = logging.getLogger("rhymerl.outputs.checkpoint")
 
-# 2: state as JSON (rhymerl.outputs.state_json). 1 pickled it; pickles can run code when loaded,
-# so those checkpoints are refused rather than read.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # state as JSON; 1 pickled it, and pickles can run code when loaded: refused
 MANIFEST = "manifest.json"
 LATEST = "latest"
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
@@ -92,9 +68,7 @@ _OWNED_RE = re.compile(r"(?:^|/)(?:rank-(\d+)\.[a-z]+|__(\d+)_\d+\.distcp)$")
 
 
 def assign_files(files: Mapping[str, int], world_size: int) -> list[list[str]]:
-    """Which rank hashes which file (relative path -> size): each rank the files it wrote
-    (``ranks/rank-K.*``, megatron-core's ``__K_*.distcp``), the rest by size to the least
-    loaded rank, so that every byte is read once and the ranks finish together."""
+    """Which rank hashes which file: each rank those it wrote, the rest by size to the least loaded."""
     out: list[list[str]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     rest = []
@@ -119,11 +93,7 @@ def _rate(nbytes: int, secs: float) -> str:
 
 
 def verify_checkpoint(path: Path, *, hashes: bool = True, only: Optional[set] = None) -> Optional[str]:
-    """None if ``path`` is a complete checkpoint, else the reason it is not.
-
-    ``hashes=False`` checks presence and sizes only (fast, for listing); ``only``: hash just
-    these files (this rank's share), still checking every file's presence and size.
-    """
+    """None if ``path`` is a complete checkpoint, else why (``hashes=False``: sizes only; ``only``: hash these)."""
     path = Path(path)
     if not path.is_dir():
         return f"{path} does not exist or is not a folder"
@@ -157,9 +127,6 @@ def verify_checkpoint(path: Path, *, hashes: bool = True, only: Optional[set] = 
 
 def read_manifest(path: Path) -> dict:
     return json.loads((Path(path) / MANIFEST).read_text())
-
-
-# --------------------------------------------------------------------------- RNG
 
 
 def capture_rng_state() -> dict:
@@ -205,15 +172,9 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
                 torch.cuda.set_rng_state(s, i)
 
 
-# --------------------------------------------------------------------------- compatibility
-
-# Keys whose change makes the saved state meaningless for the new run: the weights'
-# shape/dtype, the kind of optimizer/algorithm state, and what the sampler position indexes.
-_REFUSE_EXACT = {
-    "model.path", "model.dtype", "parallel.backend", "algo.name", "algo.dynamic_sampling",
-    "data.source", "data.path", "data.tasks", "data.task_args", "data.size", "data.seed", "data.shuffle",
-}
-_REFUSE_PREFIXES = ("model.tiny.",)
+# Keys whose change makes the saved state meaningless (weights, optimizer/algorithm state, sampler).
+_REFUSE_EXACT = {"model.path", "model.dtype", "parallel.backend", "algo.name", "algo.dynamic_sampling", "data.source",
+                 "data.path", "data.tasks", "data.task_args", "data.size", "data.seed", "data.shuffle"}
 
 
 def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
@@ -228,15 +189,11 @@ def _flatten(d: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _is_critical(key: str) -> bool:
-    return key in _REFUSE_EXACT or key.startswith(_REFUSE_PREFIXES)
+    return key in _REFUSE_EXACT
 
 
 def check_compatible(saved: Mapping, new: Mapping) -> None:
-    """Raise IncompatibleCheckpoint listing every critical key that differs.
-
-    Parallel layout (TP/PP/DP, world size), run length, logging and rollout-speed knobs
-    may change: the backend reshards on load and the rest is not part of the state.
-    """
+    """Raise IncompatibleCheckpoint listing every critical key that differs (the layout may change)."""
     a, b = _flatten(saved), _flatten(new)
     diffs = []
     for key in sorted(set(a) | set(b)):
@@ -254,16 +211,12 @@ def check_compatible(saved: Mapping, new: Mapping) -> None:
             + "\nStart a new run (another checkpoint.dir or checkpoint.resume=never), or restore these values.")
 
 
-# --------------------------------------------------------------------------- manager
-
-
 @dataclass
 class LoadedCheckpoint:
     path: Path
     step: int
     state: dict[str, Any]
-    # This rank's own entry (None if the checkpoint had fewer ranks: a resharded resume).
-    rank_state: Optional[dict]
+    rank_state: Optional[dict]  # None if the checkpoint had fewer ranks
     saved_world_size: int
     config: Optional[dict]
     manifest: dict = field(repr=False, default_factory=dict)
@@ -281,14 +234,10 @@ class CheckpointManager:
     """Atomic, verified, rotating checkpoints of one run (see the module docstring)."""
 
     def __init__(self, cfg: CheckpointConfig, run_dir: Path, rank: int = 0, world_size: int = 1,
-                 barrier: Callable[[], None] = _noop, *,
-                 broadcast_object: Optional[Callable[[Any], Any]] = None,
+                 barrier: Callable[[], None] = _noop, *, broadcast_object: Optional[Callable[[Any], Any]] = None,
                  all_gather_object: Optional[Callable[[Any], list]] = None):
-        """``broadcast_object(obj) -> rank 0's obj`` (e.g. via ``dist.broadcast_object_list``): when
-        given, rank 0 decides which checkpoint ``find_resume`` tries and every rank gets its answer
-        or its error. ``all_gather_object(obj) -> [every rank's obj]``: when given, saves and
-        verifications hash in parallel, each rank its share of the files; without it rank 0
-        hashes what it saves, and every rank verifies what it loads on its own."""
+        """``broadcast_object(obj) -> rank 0's obj``: rank 0 decides what ``find_resume`` tries.
+        ``all_gather_object(obj) -> [every rank's obj]``: ranks hash their share of the files in parallel."""
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.root = Path(cfg.dir) if cfg.dir else self.run_dir / "checkpoints"
@@ -297,8 +246,7 @@ class CheckpointManager:
         self.barrier = barrier
         self.broadcast_object = broadcast_object
         self.all_gather_object = all_gather_object
-
-    # ---------------------------------------------------------------- queries
+        self._last_bytes: Optional[int] = None
 
     def should_save(self, step: int) -> bool:
         return self.cfg.every_steps > 0 and step > 0 and step % self.cfg.every_steps == 0
@@ -350,8 +298,7 @@ class CheckpointManager:
         return CheckpointManager(CheckpointConfig(dir=str(root)), self.run_dir).step_folders()
 
     def _candidates(self) -> tuple[list[str], str, bool, bool]:
-        """(checkpoints to try, newest first; what to say if none verifies; whether the one
-        candidate was named exactly; whether no candidate means a fresh start). Raises CheckpointError."""
+        """(checkpoints to try, newest first; message if none verifies; named exactly; none = fresh start)."""
         mode = self.cfg.resume.strip()
         if mode in ("never", ""):
             used = self.step_folders()
@@ -393,9 +340,7 @@ class CheckpointManager:
         return self.world_size > 1 and self.all_gather_object is not None
 
     def verify(self, path: Path) -> Optional[str]:
-        """None if ``path`` is complete; else the reason. Collective when ``all_gather_object`` was
-        given: every rank checks sizes and hashes its share of the files (``assign_files``), so the
-        checkpoint is read once, in parallel; every rank gets the same answer."""
+        """None if ``path`` is complete, else the reason (collective with ``all_gather_object``)."""
         path = Path(path)
         t0 = time.perf_counter()
         reason, mine, nbytes = None, None, 0
@@ -417,15 +362,7 @@ class CheckpointManager:
         return reason
 
     def find_resume(self) -> Optional[Path]:
-        """The verified checkpoint to resume from, per ``cfg.resume``; None = start fresh.
-
-        ``auto``: newest complete one in the checkpoint folder; none there = fresh start, but a
-        folder whose checkpoints are all broken is an error. ``never``: fresh start, refused if
-        the folder holds checkpoints (unless ``cfg.overwrite``, which deletes them). Anything
-        else is a path: a step folder (must be valid) or a checkpoint folder (must contain a valid
-        one). Collective when ``broadcast_object`` was given: rank 0 decides what to try, every
-        rank gets its answer or its error.
-        """
+        """The verified checkpoint to resume from per ``cfg.resume`` (auto, never, or a path); None = fresh."""
         if self.broadcast_object is not None and self.world_size > 1:
             answer: tuple[str, Any] = ("ok", None)
             if self.rank == 0:
@@ -454,48 +391,31 @@ class CheckpointManager:
             raise CheckpointError(none_valid)
         return None
 
-    # ---------------------------------------------------------------- save
-
     def save(self, step: int, state: Mapping[str, Any], rank_state: Optional[Mapping[str, Any]] = None,
-             backend_save: Optional[Callable[[Path], None]] = None, *, config: Optional[Mapping] = None) -> Path:
+             backend_save: Optional[Callable[[Path], None]] = None, *, config: Optional[Mapping] = None,
+             expected_bytes: Optional[int] = None) -> Path:
         """Write checkpoint ``step`` collectively; every rank calls this. Returns the final folder.
-
-        ``state`` (rank 0's copy is written): bytes are stored as-is, anything else as JSON.
-        ``rank_state``: this rank's private state (e.g. ``capture_rng_state()``).
-        ``backend_save(folder)``: the backend's collective save into ``<ckpt>/backend``.
-        ``config``: the resolved config dict (stored as YAML; used by ``check_compatible``).
-        """
+        ``state`` (rank 0's): bytes as-is, else JSON. ``rank_state``: this rank's own. ``backend_save(folder)``:
+        the backend's collective save. ``expected_bytes``: size estimate for the first free-space check."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         for key in state:
             if not _KEY_RE.match(key):
                 raise ValueError(f"checkpoint state key {key!r}: use letters, digits, '_', '-', '.'")
         final = self.root / step_dirname(step)
-        tmp = self.root / f".tmp-{step_dirname(step)}"
-        skip = False
+        plan: tuple[str, str, Optional[int]] = ("", "", None)
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            if final.exists():
-                reason = verify_checkpoint(final)
-                if reason is None:
-                    # Re-saving the step we resumed from: the existing one is complete; keep it.
-                    skip = True
-                else:
-                    aside = final.with_name(f"{final.name}.incomplete-{int(time.time())}")
-                    self._warn(f"{final} is incomplete ({reason}); moving it to {aside.name} and saving again")
-                    os.rename(final, aside)
-            if not skip:
-                tmp.mkdir(parents=True)
-            fsync_dir(self.root)
-        self.barrier()
-        # Rank 0 created the temp folder only if it decided to write.
-        if self.rank != 0:
-            skip = not tmp.is_dir()
-        if skip:
+            plan = self._plan_save(step, final, expected_bytes)
+        # Rank 0's decision reaches every rank; it is also the barrier after rank 0's preparation.
+        kind, detail, need = self._from_rank0(plan)
+        if kind == "refuse":
+            raise CheckpointError(detail)
+        if kind == "skip":
             self.barrier()
             return final
+        tmp = self.root / detail
         error: Optional[BaseException] = None
+        error_text: Optional[str] = None
         t0 = time.perf_counter()
         try:
             if backend_save is not None:
@@ -508,23 +428,31 @@ class CheckpointManager:
                 kinds = self._write_state(tmp, state, config)
         except BaseException as e:  # noqa: BLE001 - reraised after the other ranks are released
             error = e
+            # Before rank 0 deletes the temp folder, whose size tells a full disk.
+            error_text = self._describe_write_error(e, tmp, need)
         self.barrier()
         t_write = time.perf_counter() - t0
-        files, hash_error = self._hash_collectively(tmp, error)
+        files, hash_error = self._hash_collectively(tmp, error_text)
         if error is None and hash_error is not None:
             error = hash_error
         if error is not None:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"saving checkpoint {final} failed on rank {self.rank}: {error!r}") from error
+            details = str(hash_error) if hash_error is not None else f"rank {self.rank}: {error_text}"
+            raise CheckpointError(f"saving checkpoint {final} failed: {details}; {self._intact_hint()}") from error
         if self.rank == 0:
             try:
                 self._finish_on_rank0(step, kinds, config is not None, tmp, final, rank_state is not None, files)
-            except BaseException:
+            except BaseException as e:
+                text = self._describe_write_error(e, tmp, need) if isinstance(e, OSError) else None
                 shutil.rmtree(tmp, ignore_errors=True)
                 self.barrier()
+                if text is not None:
+                    raise CheckpointError(f"saving checkpoint {final} failed: rank 0: {text}; "
+                                          f"{self._intact_hint()}") from e
                 raise
             nbytes = sum(m["size"] for m in files.values())
+            self._last_bytes = nbytes
             log.info("saved checkpoint %s: wrote %s, hashed in %.2f s on %d rank(s)", final.name,
                      _rate(nbytes, t_write), time.perf_counter() - t0 - t_write,
                      self.world_size if self._collective else 1)
@@ -532,6 +460,72 @@ class CheckpointManager:
         if not final.is_dir() or not (final / MANIFEST).is_file():
             raise CheckpointError(f"checkpoint {final} was not completed by rank 0 (see rank 0's log)")
         return final
+
+    def _plan_save(self, step: int, final: Path, expected_bytes: Optional[int]) -> tuple[str, str, Optional[int]]:
+        """Rank 0: ("write", temp folder, bytes needed), ("skip", "", None) or ("refuse", reason, None)."""
+        need: Optional[int] = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if final.exists():
+                reason = verify_checkpoint(final)
+                if reason is None:
+                    # Re-saving the step we resumed from: the existing one is complete; keep it.
+                    return "skip", "", None
+                aside = final.with_name(f"{final.name}.incomplete-{int(time.time())}")
+                self._warn(f"{final} is incomplete ({reason}); moving it to {aside.name} and saving again")
+                os.rename(final, aside)
+            need = self._expected_bytes(expected_bytes)
+            free = free_bytes(self.root)
+            if need is not None and free < need:
+                return "refuse", (f"checkpoint {final} not saved: {full_message(self.root, free, need)}; "
+                                  f"{self._intact_hint()}"), None
+            # A folder of this attempt's own: no other writer can delete or add files in it.
+            tmp = self.root / f".tmp-{step_dirname(step)}-{secrets.token_hex(4)}"
+            tmp.mkdir()
+            fsync_dir(self.root)
+            return "write", tmp.name, need
+        except OSError as e:
+            if says_full(e) or free_bytes(self.root) < NEARLY_FULL_BYTES:
+                e_text = full_message(self.root, free_bytes(self.root), need)
+            else:
+                e_text = repr(e)
+            return "refuse", f"saving checkpoint {final} failed: rank 0: {e_text}; {self._intact_hint()}", None
+
+    def _from_rank0(self, plan: tuple[str, str, Optional[int]]) -> tuple[str, str, Optional[int]]:
+        if self.world_size == 1:
+            return plan
+        if self.broadcast_object is not None:
+            return self.broadcast_object(plan)
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError("CheckpointManager.save on several ranks needs broadcast_object (or torch.distributed)")
+        box = [plan]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _expected_bytes(self, expected_bytes: Optional[int]) -> Optional[int]:
+        """The newest checkpoint's size when there is one, else the caller's estimate."""
+        if self._last_bytes is None:
+            pointer = self.latest_pointer()
+            try:
+                if pointer and _STEP_RE.match(pointer):
+                    self._last_bytes = sum(int(m["size"]) for m in read_manifest(self.root / pointer)["files"].values())
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        return self._last_bytes if self._last_bytes is not None else expected_bytes
+
+    def _describe_write_error(self, e: BaseException, tmp: Path, need: Optional[int]) -> str:
+        try:
+            free, written = free_bytes(self.root), folder_bytes(tmp)
+        except OSError:
+            return repr(e)
+        return full_message(self.root, free, need) if ran_out(e, written, free, need) else repr(e)
+
+    def _intact_hint(self) -> str:
+        pointer = self.latest_pointer()
+        kept = f"the newest checkpoint, {pointer}, is intact" if pointer else "no earlier checkpoint exists"
+        return f"{kept}; free space (or set checkpoint.dir to a larger filesystem) and resume"
 
     def _write_state(self, tmp: Path, state: Mapping[str, Any], config: Optional[Mapping]) -> dict[str, str]:
         kinds = {}
@@ -546,10 +540,9 @@ class CheckpointManager:
             _write_fsynced(tmp / "config.yaml", yaml.safe_dump(_plain(config), sort_keys=False).encode())
         return kinds
 
-    def _hash_collectively(self, tmp: Path, write_error: Optional[BaseException]
+    def _hash_collectively(self, tmp: Path, write_error: Optional[str]
                            ) -> tuple[dict[str, dict], Optional[BaseException]]:
-        """Size and sha256 of every file under ``tmp`` (on rank 0; {} elsewhere), each rank
-        hashing its share when collective; any rank's error comes back on every rank."""
+        """Size and sha256 of every file under ``tmp`` (rank 0; {} elsewhere), and any rank's error."""
         if not self._collective:
             if self.rank != 0 or write_error is not None:
                 return {}, None
@@ -559,7 +552,7 @@ class CheckpointManager:
             except OSError as e:
                 return {}, e
         mine: dict[str, dict] = {}
-        err: Optional[str] = None if write_error is None else f"rank {self.rank}: {write_error!r}"
+        err: Optional[str] = None if write_error is None else f"rank {self.rank}: {write_error}"
         if err is None:
             try:
                 sizes = {f.relative_to(tmp).as_posix(): f.stat().st_size for f in _files_under(tmp)}
@@ -580,18 +573,14 @@ class CheckpointManager:
             if len(have) != self.world_size:
                 raise CheckpointError(f"checkpoint {final}: expected {self.world_size} rank files, found {len(have)} "
                                       "(is the checkpoint folder on a filesystem every rank shares?)")
-        manifest = {
-            "format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "created": time.time(),
-            "state": kinds, "has_config": has_config, "has_backend": (tmp / "backend").is_dir(),
-            "has_rank_state": with_ranks, "files": files,
-        }
+        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "created": time.time(),
+                    "state": kinds, "has_config": has_config, "has_backend": (tmp / "backend").is_dir(),
+                    "has_rank_state": with_ranks, "files": files}
         _write_fsynced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         fsync_tree(tmp)
         os.rename(tmp, final)
         fsync_dir(self.root)
-        # The manifest hashes were computed by reading every file back after the backend
-        # wrote it; after the rename, check that every listed file is there with its size
-        # before anything older is deleted (re-hashing would mostly read the page cache).
+        # Files were hashed after writing; check presence and sizes before deleting anything older.
         reason = verify_checkpoint(final, hashes=False)
         if reason is not None:
             bad = final.with_name(f"{final.name}.incomplete-{int(time.time())}")
@@ -614,8 +603,6 @@ class CheckpointManager:
             shutil.rmtree(p, ignore_errors=True)
         fsync_dir(self.root)
 
-    # ---------------------------------------------------------------- load
-
     def load(self, path: Path, *, verify: bool = True) -> LoadedCheckpoint:
         path = Path(path)
         if verify:
@@ -637,8 +624,7 @@ class CheckpointManager:
         if (path / "config.yaml").is_file():
             config = yaml.safe_load((path / "config.yaml").read_text())
         return LoadedCheckpoint(path=path, step=int(manifest["step"]), state=state, rank_state=rank_state,
-                                saved_world_size=int(manifest.get("world_size", 1)), config=config,
-                                manifest=manifest)
+                                saved_world_size=int(manifest.get("world_size", 1)), config=config, manifest=manifest)
 
 
 def _step_of(p: Path) -> int:

@@ -1,19 +1,8 @@
-"""Weights & Biases logging and console progress; neither may ever stop training.
-
-Only rank 0 talks to W&B. Offline (the default, for clusters without internet) writes
-``<run_dir>/wandb/offline-run-*/run-<id>.wandb``; upload later with
-``wandb sync <run_dir>/wandb/offline-run-*``. The W&B run id is created here, stored in
-the checkpoint by the trainer, and passed back as ``resume_run_id`` on resume, so the
-resumed process continues the same run; steps are always given explicitly because an
-offline resume starts W&B's own counter at 0 again (and offline folders of one id are
-merged by ``wandb sync``).
-
-Any W&B failure (missing package, bad mode, no network, quota, a raising call) is
-reported once as a warning and logging continues without W&B.
-"""
+"""W&B logging (rank 0, mirroring ``metrics.jsonl``) and console progress; neither may ever stop training."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -28,10 +17,23 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 from rhymerl.launch.child_signals import shielded_start
 from rhymerl.config import TrackingConfig
 
-# The .wandb transaction log is flushed every 15 s by default: a job killed by Slurm
-# within that window lost everything (seen with wandb 0.31). 1 s bounds the loss.
+# W&B flushes its transaction log every 15 s by default: a job killed within that window lost it all.
 FLUSH_INTERVAL_S = 1.0
 _ID_ALPHABET = string.ascii_lowercase + string.digits
+log = logging.getLogger("rhymerl")
+
+
+def _ranges(steps: Sequence[int]) -> str:
+    """"0-4, 6" for [0, 1, 2, 3, 4, 6]."""
+    out, start, prev = [], None, None
+    for s in list(steps) + [None]:
+        if start is not None and (s is None or s != prev + 1):
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = None
+        if s is not None and start is None:
+            start = s
+        prev = s
+    return ", ".join(out)
 
 
 def new_run_id() -> str:
@@ -49,20 +51,11 @@ def _scalar(v: Any) -> Any:
     return v
 
 
-# metric -> short console label
-HEADLINE = {
-    "epoch": "epoch",
-    "reward/mean": "reward",
-    "reward/accuracy": "acc",
-    "response/len_mean": "len",
-    "histospec/acceptance": "accept",
-    "histospec/tokens_per_forward": "tok/fwd",
-    "train/loss": "loss",
-    "train/logprob_max_abs": "lp_diff",
-    "time/rollout_s": "rollout_s",
-    "time/train_s": "train_s",
-    "time/step_s": "step_s",
-}
+HEADLINE = {  # metric -> short console label
+    "epoch": "epoch", "reward/mean": "reward", "reward/accuracy": "acc", "response/len_mean": "len",
+    "histospec/acceptance": "accept", "histospec/tokens_per_forward": "tok/fwd", "train/loss": "loss",
+    "train/logprob_max_abs": "lp_diff", "time/rollout_s": "rollout_s", "time/train_s": "train_s",
+    "time/step_s": "step_s"}
 
 
 class ConsoleProgress:
@@ -89,12 +82,10 @@ class ConsoleProgress:
         else:
             yield
 
-    def step_line(self, step: int, metrics: Mapping[str, Any], phases: Mapping[str, float],
-                  max_steps: int = 0) -> None:
+    def step_line(self, step: int, metrics: Mapping[str, Any], phases: Mapping[str, float], max_steps: int = 0) -> None:
         if self.mode == "none":
             return
         shown = []
-        # The headline figures first (when the trainer logs them), then whatever else fits.
         keys = [k for k in HEADLINE if k in metrics] or list(metrics)
         for k in keys:
             v = _scalar(metrics[k])
@@ -115,8 +106,7 @@ class Tracker:
     """W&B run + console display for one training process (all calls are no-ops off rank 0)."""
 
     def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, config_dict: Mapping[str, Any],
-                 rank: int = 0, resume_run_id: Optional[str] = None, *, max_steps: int = 0,
-                 console_stream=None):
+                 rank: int = 0, resume_run_id: Optional[str] = None, *, max_steps: int = 0, console_stream=None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -131,13 +121,13 @@ class Tracker:
         self._pending_step: Optional[int] = None
         self._pending: dict[str, Any] = {}
         self._run_id: Optional[str] = None
+        self._run_name, self._config = run_name, dict(config_dict)
+        self._held: set[int] = set()  # steps W&B already holds: never sent again
         if rank != 0 or cfg.wandb == "disabled":
             self._run_id = resume_run_id
             return
         self._run_id = resume_run_id or new_run_id()
         self._init_wandb(run_name, config_dict, resume_run_id is not None)
-
-    # ---------------------------------------------------------------- wandb plumbing
 
     def _warn_once(self, what: str, err: BaseException) -> None:
         self._failures += 1
@@ -156,20 +146,15 @@ class Tracker:
             import wandb
 
             self._wandb = wandb
-            settings = wandb.Settings(
-                x_transaction_log_flush_interval=FLUSH_INTERVAL_S,
-                init_timeout=60,
-                # stdout/stderr already go to the Slurm log; wrapping them again costs a thread.
-                console="off",
-                silent=True,
-            )
+            # console="off": stdout/stderr already go to the Slurm log; wrapping them costs a thread.
+            settings = wandb.Settings(x_transaction_log_flush_interval=FLUSH_INTERVAL_S, init_timeout=60,
+                                      console="off", silent=True)
             # wandb-core must outlive the job's USR1/TERM long enough for finish() to flush.
             with shielded_start():
                 self._run = wandb.init(
                     project=self.cfg.project, entity=self.cfg.entity or None, name=run_name, id=self._run_id,
                     resume="allow" if resuming else None, mode=self.cfg.wandb, dir=str(wandb_dir),
-                    config=dict(config_dict), settings=settings, reinit="create_new",
-                )
+                    config=dict(config_dict), settings=settings, reinit="create_new")
         except Exception as e:  # noqa: BLE001 - any W&B failure must leave training running
             self._run = None
             self._warn_once("init", e)
@@ -206,14 +191,9 @@ class Tracker:
         except Exception as e:  # noqa: BLE001
             self._warn_once(what, e)
 
-    # ---------------------------------------------------------------- public API
-
     @contextmanager
     def phase(self, name: str, step: Optional[int] = None) -> Iterator[None]:
-        """Time a phase (rollout, reward, train, reshard); reported with the step's metrics.
-
-        Entering a phase of a new ``step`` commits the previous step's row.
-        """
+        """Time a phase, reported with the step's metrics; a phase of a new ``step`` commits the previous row."""
         if step is not None and self._pending_step is not None and step != self._pending_step:
             self._commit()
         t0 = time.perf_counter()
@@ -237,23 +217,15 @@ class Tracker:
         if step is None:
             return
         self._last_step = step
-        if self._run is not None:
+        if self._run is not None and step not in self._held:
             self._call("log", self._run.log, data, step=step, commit=True)
 
     def flush(self) -> None:
-        """Commit the current step's row now (W&B then writes it to disk within FLUSH_INTERVAL_S).
-
-        Call once all of a step's ``log*`` calls are done; otherwise the row is committed when
-        the next step starts logging, or by ``finish()``, and a hard kill in between loses it.
-        """
+        """Commit the current step's row now (else the next step or ``finish()`` does, and a kill loses it)."""
         self._commit()
 
     def log(self, step: int, metrics: Mapping[str, Any], *, commit: bool = False) -> None:
-        """Log one step's metrics plus the phase times gathered since the last call.
-
-        ``log``, ``log_lengths`` and ``log_samples`` of one step may come in any order; the
-        step's row is written by ``flush()``/``commit=True``, the next step, or ``finish()``.
-        """
+        """Log one step's metrics plus the phase times gathered since the last call (any order per step)."""
         phases, self._phases = self._phases, {}
         if self.rank != 0:
             return
@@ -305,20 +277,90 @@ class Tracker:
         except Exception as e:  # noqa: BLE001
             self._warn_once("summary", e)
 
-    def finish(self, exit_code: int = 0) -> None:
-        """Flush and close the W&B run (call before a requeue, not from a signal handler)."""
+    def finish(self, exit_code: int = 0) -> bool:
+        """Flush and close the W&B run (not from a signal handler); False when W&B could not finish it."""
         self._commit()
         run, self._run = self._run, None
         if run is None:
-            return
+            return True
+        ok = True
         try:
             run.finish(exit_code=exit_code)
-            # Close the connection to wandb-core now: a job's SIGTERM (scancel, the one that
-            # follows a requeue) ends wandb-core, which ignores masks for TERM, and an exit-time
-            # teardown would then print a traceback after a complete run.
+        except Exception as e:  # noqa: BLE001
+            ok = False
+            self._warn_once("finish", e)
+        try:
+            # Close wandb-core now: after a SIGTERM ended it, exit-time teardown would print a traceback.
             self._wandb.teardown()
         except Exception as e:  # noqa: BLE001
+            ok = False
             self._warn_once("finish", e)
+        return ok
+
+    def _wandb_steps(self) -> Optional[set[int]]:
+        """The steps this run's W&B files hold (None: unreadable, or W&B off)."""
+        from rhymerl.outputs.wandb_store import logged_steps
+
+        if self.rank != 0 or self.cfg.wandb == "disabled" or self._run_id is None:
+            return None
+        steps = logged_steps(self.run_dir / "wandb", self._run_id)
+        if steps is None:
+            warnings.warn(f"tracking: cannot read W&B's files of run {self._run_id} under {self.run_dir / 'wandb'}; "
+                          "steps it lost are not logged again, and steps it holds may be logged twice",
+                          RuntimeWarning, stacklevel=3)
+        return steps
+
+    def catch_up(self, rows: Sequence[Mapping[str, Any]]) -> list[int]:
+        """At a resume: log the rows W&B lacks, hold back those it has that this run repeats; the steps logged."""
+        if self._run is None:
+            return []
+        have = self._wandb_steps()
+        if have is None:
+            return []
+        try:
+            # Online, the server's run goes on from starting_step: anything before it is there already.
+            have |= set(range(int(getattr(self._run, "starting_step", 0) or 0)))
+        except (TypeError, ValueError):
+            pass
+        logged = self._log_rows([r for r in rows if r.get("step") not in have])
+        last_row = max((int(r["step"]) for r in rows), default=-1)
+        self._held = {s for s in have if s > last_row}
+        if self._held:
+            log.warning("tracking: W&B run %s already holds step(s) %s, which this run repeats from its "
+                        "checkpoint: they are not logged again", self._run_id, _ranges(sorted(self._held)))
+        return logged
+
+    def repair(self, rows: Sequence[Mapping[str, Any]], exit_code: int = 0) -> list[int]:
+        """Finish the run, log the ``metrics.jsonl`` rows W&B lost through a fresh W&B process, finish again."""
+        self.finish(exit_code)
+        if self.rank != 0 or self.cfg.wandb == "disabled" or self._wandb is None:
+            return []
+        have = self._wandb_steps()
+        if have is None:
+            return []
+        missing = [r for r in rows if r.get("step") not in have]
+        if not missing:
+            return []
+        self._init_wandb(self._run_name, self._config, resuming=True)
+        self._last_step = None  # a new W&B process: its own step order starts here
+        logged = self._log_rows(missing)
+        self.finish(exit_code)
+        return logged
+
+    def _log_rows(self, rows: Sequence[Mapping[str, Any]]) -> list[int]:
+        done = []
+        for row in sorted(rows, key=lambda r: r["step"]):
+            step = int(row["step"])
+            if self._run is None or (self._last_step is not None and step <= self._last_step):
+                continue
+            self._call("log", self._run.log, {k: _scalar(v) for k, v in row.items() if k != "step"}, step=step,
+                       commit=True)
+            self._last_step = step
+            done.append(step)
+        if done:
+            log.warning("tracking: W&B run %s lacked step(s) %s of metrics.jsonl; logged them from it",
+                        self._run_id, _ranges(done))
+        return done
 
     def __enter__(self) -> "Tracker":
         return self

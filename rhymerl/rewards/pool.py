@@ -1,19 +1,13 @@
-"""A process pool that scores responses with a hard per-item timeout.
-
-Why processes and not threads: a verifier stuck in SymPy (or a regex on a
-pathological answer) cannot be interrupted from another thread, and
-math-verify's own timeout uses ``signal.alarm``, which works only in a process's
-main thread. Each worker runs the scorer in its main thread (so math-verify's
-alarm works as its first line of defence) and the pool kills a worker that
-overruns ``timeout_s`` by its process handle, then starts a replacement.
-"""
+"""A process pool that scores responses with a hard per-item timeout (a stuck thread cannot be stopped)."""
 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import multiprocessing as mp
 import os
+import signal
 import time
 from collections import deque
 from multiprocessing.connection import Connection, wait
@@ -23,15 +17,14 @@ from rhymerl.launch.child_signals import shield_this_process, shielded_start
 from rhymerl.config import RewardConfig
 from rhymerl.rewards.scorers import BUILTIN_SCORERS, RewardItem, RewardResult, Scorer, resolve_kind
 
-# Modules a worker imports before it reports ready, so the first item's
-# timeout is not spent importing SymPy.
+# Imported before a worker reports ready, so the first item's timeout is not spent importing SymPy.
 DEFAULT_PRELOAD = ("math_verify", "reasoning_gym")
-# A worker that cannot start (import error, bad scorer) this many times in a row is fatal.
-_MAX_START_FAILURES = 3
+_MAX_START_FAILURES = 3  # a worker that cannot start this many times in a row is fatal
 _START_TIMEOUT_S = 120.0
 _MAX_CHUNK = 16
-# The scorer name under which ``reward.function`` runs.
-FUNCTION_KIND = "function"
+FUNCTION_KIND = "function"  # the scorer name under which ``reward.function`` runs
+
+log = logging.getLogger("rhymerl.rewards")
 
 
 class RewardSetupError(RuntimeError):
@@ -58,10 +51,7 @@ def preload_modules(names: Sequence[str]) -> Optional[str]:
 
 
 def load_function(spec: str) -> Scorer:
-    """Resolve ``reward.function`` ("package.module:callable") to a callable, in this process.
-
-    The callable must be a module-level name so that it pickles by reference into the workers.
-    """
+    """Resolve ``reward.function`` ("module:callable"), a module-level name so it pickles to the workers."""
     import pickle
 
     module, sep, attr = spec.partition(":")
@@ -87,11 +77,7 @@ def load_function(spec: str) -> Scorer:
 
 
 def check_error_rate(results: Sequence[RewardResult], max_rate: float) -> None:
-    """Raise :class:`RewardErrorRate` when more than ``max_rate`` of a step's items failed.
-
-    A scorer that fails on most items (a broken verifier, a wrong reward.function) would
-    otherwise train on all-zero rewards and learn nothing.
-    """
+    """Raise :class:`RewardErrorRate` when more than ``max_rate`` of a step's items failed (all-zero rewards)."""
     failed = [r for r in results if r.error is not None]
     if results and len(failed) / len(results) > max_rate:
         examples = "; ".join(sorted({r.error for r in failed})[:3])
@@ -117,12 +103,9 @@ def score_one(item: RewardItem, kind: str, scorers: dict[str, Scorer]) -> Reward
 
 
 def _worker_main(conn: Connection, scorers: dict[str, Scorer], preload: Sequence[str]) -> None:
-    # Job-wide signals (Ctrl-C, Slurm's USR1/TERM) are the trainer's; workers end with it.
-    shield_this_process()
-
+    shield_this_process()  # Job-wide signals (Ctrl-C, Slurm's USR1/TERM) are the trainer's; workers end with it.
     failed = preload_modules(preload)
-    if failed is not None:
-        # Scoring on would give every item 0: the parent aborts with this message.
+    if failed is not None:  # the parent aborts with this message
         conn.send(("failed", failed))
         return
     conn.send(("ready", os.getpid()))
@@ -133,14 +116,25 @@ def _worker_main(conn: Connection, scorers: dict[str, Scorer], preload: Sequence
             return
         if msg is None:
             return
-        # A chunk of items; each result goes back as soon as it is ready so the
-        # parent can restart the timeout per item.
+        # Each result goes back at once so the parent can restart the timeout per item.
         for seq, item, kind in msg:
             res = score_one(item, kind, scorers)
             try:
                 conn.send((seq, res))
             except Exception as e:  # e.g. an unpicklable field in a custom result
                 conn.send((seq, RewardResult(error=f"cannot send result: {type(e).__name__}: {e}"[:500])))
+
+
+def describe_exit(code: Optional[int]) -> str:
+    """A process's end as multiprocessing reports it: "killed by SIGKILL", "exit code 3"."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class _Worker:
@@ -151,47 +145,17 @@ class _Worker:
         self.conn = conn
         self.pid: int = proc.pid
         self.ready = False
-        # Items sent and not yet answered; jobs[0] is the one being scored.
-        self.jobs: deque[int] = deque()
+        self.jobs: deque[int] = deque()  # sent, not yet answered; jobs[0] is being scored
         self.deadline = 0.0
 
 
 class RewardPool:
-    """Scores batches of :class:`RewardItem` in ``cfg.workers`` processes.
+    """Scores :class:`RewardItem` batches in ``cfg.workers`` processes; a timeout or error scores 0.
+    ``cfg.workers == 0`` scores in-process without timeout (tests only). ``scorers`` adds named scorers."""
 
-    ``score(items)`` returns one :class:`RewardResult` per item, in order. Each
-    item gets ``cfg.timeout_s`` from the moment its worker starts on it; past that it
-    scores 0 with ``timed_out=True`` and its worker is killed (SIGKILL on the
-    recorded process) and replaced. An exception in a scorer, or a worker dying,
-    scores 0 with ``error`` set and is counted in ``stats["errors"]``.
-
-    ``cfg.workers == 0`` scores in the calling process: no timeout can be enforced
-    there (a looping scorer blocks the caller), only exceptions are contained;
-    math-verify's own alarm-based timeout still applies when called from the main
-    thread. Use it for debugging and tests, not for training.
-
-    Workers come from a fork server that preloads math-verify and reasoning-gym
-    (``start_method="spawn"`` also works, but a replacement then takes seconds).
-    ``scorers`` adds named scorers (module-level functions, so they pickle to
-    the workers) next to the built-in ``math_verify`` and ``exact``; an
-    item's ``kind`` (or a non-"auto" ``cfg.kind``) selects one. ``cfg.function``
-    ("module:callable") replaces them all: it scores every item, in the same
-    timeout-guarded workers.
-
-    A scorer module that does not import (math-verify, reasoning-gym, the user's
-    function) raises :class:`RewardSetupError` when the workers start, rather than
-    scoring every item 0; the caller checks each step's error rate with
-    :func:`check_error_rate`.
-    """
-
-    def __init__(
-        self,
-        cfg: RewardConfig,
-        scorers: Optional[dict[str, Scorer]] = None,
-        *,
-        start_method: str = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn",
-        preload: Sequence[str] = DEFAULT_PRELOAD,
-    ):
+    def __init__(self, cfg: RewardConfig, scorers: Optional[dict[str, Scorer]] = None, *,
+                 start_method: str = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn",
+                 preload: Sequence[str] = DEFAULT_PRELOAD):
         self.cfg = cfg
         self.scorers: dict[str, Scorer] = {**BUILTIN_SCORERS, **(scorers or {})}
         self.preload = tuple(preload)
@@ -207,18 +171,14 @@ class RewardPool:
                                       "calls": 0, "wall_s": 0.0, "scorer_s": 0.0, "killed_pids": []}
         self._ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            # The fork server imports these once; every worker, replacements after a
-            # timeout included, then forks ready in milliseconds instead of re-importing
-            # SymPy (seconds). A fork server started earlier by someone else keeps its
-            # own preload list; workers then import at start, which is only slower.
+            # Imported once by the fork server, so replacement workers fork ready in milliseconds.
             self._ctx.set_forkserver_preload(["rhymerl.rewards.pool", *self.preload])
         self._workers: list[_Worker] = []
+        self.last_restarts = 0  # workers replaced during the last score() call
         self._start_failures = 0
         self._closed = False
         for _ in range(cfg.workers):
             self._workers.append(self._spawn())
-
-    # ------------------------------------------------------------------ workers
 
     def _spawn(self) -> _Worker:
         parent, child = self._ctx.Pipe(duplex=True)
@@ -237,11 +197,15 @@ class RewardPool:
         w.proc.join(5)
         w.conn.close()
 
-    def _replace(self, w: _Worker) -> _Worker:
+    def _replace(self, w: _Worker, why: str) -> _Worker:
+        """Kill ``w`` (if it still runs) and start its replacement; ``why``: what happened to it."""
         self._kill(w)
         nw = self._spawn()
         self._workers[self._workers.index(w)] = nw
         self.stats["restarts"] += 1
+        self.last_restarts += 1
+        log.warning("reward worker pid %d %s; started a replacement (pid %d; %d replaced in this run)",
+                    w.pid, why, nw.pid, self.stats["restarts"])
         return nw
 
     @property
@@ -252,12 +216,11 @@ class RewardPool:
         """Block until every worker has started (imports done)."""
         self._run([], timeout_s)
 
-    # ------------------------------------------------------------------ scoring
-
     def score(self, items: Sequence[RewardItem]) -> list[RewardResult]:
         if self._closed:
             raise RuntimeError("RewardPool.score called after close()")
         t0 = time.perf_counter()
+        self.last_restarts = 0
         if self.cfg.function:
             kinds = [FUNCTION_KIND] * len(items)
         else:
@@ -294,7 +257,8 @@ class RewardPool:
                     except (BrokenPipeError, ConnectionResetError, EOFError):
                         # Died while idle: nothing of the chunk ran, so requeue it.
                         pending.extendleft(reversed(chunk))
-                        w = self._replace(w)
+                        w.proc.join(5)
+                        w = self._replace(w, f"had died while idle ({describe_exit(w.proc.exitcode)})")
                         continue
                     except Exception as e:  # unpicklable: pickling fails before any byte is written
                         if len(chunk) > 1:
@@ -342,23 +306,25 @@ class RewardPool:
                         error=f"timed out after {timeout:g} s (worker pid {w.pid} killed)")
                     pending.extendleft(reversed(w.jobs))
                     self.stats["killed_pids"].append(w.pid)
-                    self._replace(w)
+                    self._replace(w, f"overran reward.timeout_s={timeout:g} s on an item (scored 0) and was killed")
         return [r if r is not None else RewardResult(error="lost") for r in results]
 
     def _on_death(self, w: _Worker, results: list[Optional[RewardResult]], pending: deque) -> None:
         w.proc.join(5)
         code = w.proc.exitcode
+        how = describe_exit(code)
+        why = f"died ({how})"
         if w.jobs:
-            results[w.jobs.popleft()] = RewardResult(score=0.0, error=f"reward worker pid {w.pid} died (exit code {code})")
+            results[w.jobs.popleft()] = RewardResult(score=0.0, error=f"reward worker pid {w.pid} died ({how})")
             pending.extendleft(reversed(w.jobs))
+            why = f"died ({how}) while scoring an item (scored 0; the rest of its items go to other workers)"
         elif not w.ready:
             self._start_failures += 1
             if self._start_failures >= _MAX_START_FAILURES:
                 raise RuntimeError(f"reward worker failed to start {self._start_failures} times "
                                    f"(last exit code {code}); check the scorers and preload modules")
-        self._replace(w)
-
-    # ------------------------------------------------------------------ lifecycle
+            why = f"died while starting ({how})"
+        self._replace(w, why)
 
     def close(self) -> None:
         if self._closed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,3 +144,14 @@ def submit_and_wait(script_text: str, log_root: Path, job_name: str, timeout_s: 
     job = wait_job(start_job(script_text, log_root, job_name, env), timeout_s)
     job.elapsed_s = time.monotonic() - t0
     return job
+
+
+def cancel_unfinished(pending: Mapping[str, object], timeout_s: float) -> None:
+    """Cancel the jobs of ``pending`` (name -> object with a ``job``) and fail naming each one's
+    state; called from a ``finally``, it leaves an exception already on its way alone."""
+    for r in pending.values():
+        subprocess.run(["scancel", r.job.job_id], timeout=10)
+    if pending and sys.exc_info()[0] is None:
+        pytest.fail(f"jobs did not finish within {timeout_s:.0f} s: "
+                    + "; ".join(f"{n} {r.job.state} restarts={r.job.restarts}\n{r.job.log_text}"
+                                for n, r in pending.items()))

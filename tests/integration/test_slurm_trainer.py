@@ -23,8 +23,9 @@ import pytest
 from rhymerl.launch.slurm import render_script
 from rhymerl.outputs.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
-from slurm_helpers import REPO, TERMINAL, SlurmJob, job_info, slurm_cluster, start_job  # noqa: F401
-from wandb_helpers import history_by_step, offline_runs, run_record
+from slurm_helpers import (REPO, TERMINAL, SlurmJob, cancel_unfinished, job_info, slurm_cluster,  # noqa: F401
+                           start_job)
+from wandb_helpers import history_by_step, offline_runs, run_record, wandb_disagreements
 
 pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slurm, pytest.mark.slow]
 
@@ -116,12 +117,7 @@ def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Ran]:
                     subprocess.run([*r.case.trigger, r.job.job_id], check=True, timeout=10)
             time.sleep(0.5)
     finally:
-        for r in pending.values():
-            subprocess.run(["scancel", r.job.job_id], timeout=10)
-    if pending:
-        pytest.fail("jobs did not finish within 600 s: "
-                    + "; ".join(f"{n} {r.job.state} restarts={r.job.restarts}\n{r.job.log_text}"
-                                for n, r in pending.items()))
+        cancel_unfinished(pending, 600)
     return ran
 
 
@@ -142,6 +138,7 @@ def _check_requeued_and_completed(r: Ran, reasons: tuple[str, ...] = ("received 
     logged = sorted(s for run in runs for s in history_by_step(run))
     assert logged == list(range(n)), logged
     assert len({run_record(run)["run_id"] for run in runs}) == 1
+    assert wandb_disagreements(r.run_dir) == [], log
     final = r.run_dir / "checkpoints" / f"step-{n:06d}"
     assert verify_checkpoint(final) is None
     assert "finished in" in r.job.rank_logs[0], log

@@ -208,12 +208,15 @@ def test_incomplete_step_folder_is_moved_aside_not_overwritten(tmp_path):
 
 
 def test_two_ranks_write_their_own_state(tmp_path):
-    bar = threading.Barrier(2)
+    world = _ThreadWorld(2)
+    bar = world.bar
     results, errors = {}, []
 
     def run(rank: int) -> None:
         try:
-            mgr = CheckpointManager(CheckpointConfig(), tmp_path, rank=rank, world_size=2, barrier=bar.wait)
+            # Rank 0 names this save's temp folder; the others learn it from its broadcast.
+            mgr = CheckpointManager(CheckpointConfig(), tmp_path, rank=rank, world_size=2, barrier=bar.wait,
+                                    broadcast_object=lambda obj: world.all_gather(rank, obj)[0])
 
             def backend_save(folder: Path) -> None:
                 (folder / f"shard-{rank}.pt").write_bytes(b"shard%d" % rank)
@@ -368,8 +371,10 @@ def test_collective_save_and_verify_hash_each_file_once(tmp_path, monkeypatch):
     files = json.loads((tmp_path / "checkpoints" / "step-000002" / "manifest.json").read_text())["files"]
     # Once at save, once at resume; never twice in a phase.
     assert len(hashed) == 2 * len(files)
+    [tmp] = {Path(p).relative_to(tmp_path / "checkpoints").parts[0] for _, p in hashed} - {"step-000002"}
+    assert tmp.startswith(".tmp-step-000002-")  # this save attempt's own temp folder
     assert sorted({p for _, p in hashed}) == sorted(str(tmp_path / "checkpoints" / n) for n in
-                                                     [".tmp-step-000002/" + f for f in files] + ["step-000002/" + f for f in files])
+                                                     [f"{tmp}/" + f for f in files] + ["step-000002/" + f for f in files])
     assert len({name for name, _ in hashed}) == 3, "every rank hashes its share"
 
 

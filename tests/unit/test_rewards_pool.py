@@ -151,3 +151,36 @@ def test_user_reward_function_errors_are_clear():
         load_config(None, ["reward.function=just_a_module"])
     with pytest.raises(ConfigError, match="reward.kind"):
         load_config(None, ["reward.function=m:f", "reward.kind=exact"])
+
+
+def announce_and_sleep(item):
+    """Says it has started (a file named by the item's answer), then takes its time."""
+    open(item.answer, "w").close()
+    time.sleep(3.0)
+    return 1.0
+
+
+def test_a_worker_killed_from_outside_is_replaced_logged_and_counted(tmp_path, caplog):
+    import logging
+    import signal
+    import threading
+
+    marks = [tmp_path / "a", tmp_path / "b"]
+    with RewardPool(RewardConfig(workers=2, timeout_s=60.0), scorers={"announce": announce_and_sleep}) as pool:
+        pool.wait_ready()
+        victim = pool.worker_pids[0]
+        out: dict = {}
+        items = [RewardItem("y", str(m), kind="announce") for m in marks]
+        scoring = threading.Thread(target=lambda: out.update(res=pool.score(items)))
+        with caplog.at_level(logging.WARNING, logger="rhymerl.rewards"):
+            scoring.start()
+            deadline = time.monotonic() + 60
+            while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(victim, signal.SIGKILL)  # mid-item: each worker is inside its scorer
+            scoring.join(60)
+        assert sorted(r.score for r in out["res"]) == [0.0, 1.0]
+        lines = [r.getMessage() for r in caplog.records if r.name == "rhymerl.rewards"]
+        assert len(lines) == 1 and f"reward worker pid {victim} died (killed by SIGKILL) while scoring" in lines[0], lines
+        assert f"started a replacement (pid {pool.worker_pids[0]}" in lines[0]
+        assert pool.last_restarts == 1 and victim not in pool.worker_pids
