@@ -14,14 +14,15 @@ import sys
 COMMANDS = {
     "histospec": ("benchmarks.histospec", "HistoSpec drafting vs n-gram/suffix on rollout traces (forward passes per token)"),
     "rollout": ("benchmarks.rollout", "vLLM rollout in the RL loop: no-spec vs ngram vs suffix vs HistoSpec; --sweep"),
+    "greedy-replay": ("benchmarks.greedy_replay", "a trained run's prompts replayed greedily: every method's exact wall time"),
     "step": ("benchmarks.step", "where an engine step's time goes; the zero-draft tax of speculation; --calibrate"),
     "reshard": ("benchmarks.reshard", "Megatron -> vLLM weight transfer: GB/s and peak memory per bucket size"),
     "e2e": ("benchmarks.e2e", "RL step time with HistoSpec+HistoPipe on vs off, vs ngram and suffix"),
     "memory": ("benchmarks.memory", "peak resident memory of RL steps (steady state), bytes per parameter by component"),
     "train-phase": ("benchmarks.train_phase", "the training phase alone: one backend step over a fixed batch"),
-    "step-calibration": ("benchmarks.step_calibration", "the goodput rule's step-cost fit against measured steps"),
     "roofline": ("benchmarks.roofline", "HistoSpec's step-cost prior of a GPU engine, from the decode roofline"),
     "simulate": ("benchmarks.simulate.simulator", "cluster simulator: rollout schedulers on N GPUs"),
+    "main-job": ("benchmarks.main_job", "the README's main job at several seeds: per-epoch reward and tokens per forward"),
 }
 
 

@@ -84,7 +84,7 @@ def step_row(epoch: int, m: dict) -> dict:
 
 def summarize(rows: list[dict]) -> dict:
     """Means over the steps of epoch >= 2 (the first epoch has no history to draft from)."""
-    late = [r for r in rows if r["epoch"] >= 1] or rows
+    late = [r for r in rows if r["epoch"] >= 2] or rows
     mean = lambda get: sum(get(r) for r in late) / len(late)  # noqa: E731
     return {"step_s": mean(lambda r: r["step_s"]), "phases": {p: mean(lambda r: r["phases_s"][p]) for p in PHASES},
             "tokens_per_forward": mean(lambda r: r["tokens_per_forward"]),
@@ -124,7 +124,7 @@ def add_equal_lengths(v: dict, off: dict) -> None:
     runs = [{"longest_response": r.get("longest_response", 0), "generated_tokens": r.get("generated_tokens", 0),
              "wall_s": r["phases_s"]["rollout"]} for r in off.get("per_step", [])]
     fit = fit_none_time(runs)
-    late = [r for r in v.get("per_step", []) if r["epoch"] >= 1]
+    late = [r for r in v.get("per_step", []) if r["epoch"] >= 2]
     if fit is None or not late or any(r.get("longest_response", 0) <= 0 for r in late):
         return
     off["rollout_time_fit"] = dict(zip(NONE_FIT_FIELDS, fit))

@@ -7,15 +7,14 @@ request finishing early becomes a sibling draft source (HistoSpec include_siblin
 SuffixDecoding's global cache) only for requests still running, as in a real engine.
 
 Acceptance is replayed exactly against the recorded tokens: a draft's accepted
-length is its longest prefix (tree: deepest path) that equals the recorded
-continuation. For one-hot (history) drafts this is also exact for *sampled*
+length is its longest prefix that equals the recorded continuation. For one-hot (history) drafts this is also exact for *sampled*
 decoding: conditioned on the recorded token y being emitted, the lossless rule
 (accept x w.p. p(x), else sample from p without x) accepts iff x == y, so trace
 log-probabilities do not change the counts (see rhymerl/histospec/acceptance.py).
 
 Methods: none; ngram (vLLM's prompt-lookup rule over prompt + generated);
-suffix (a re-implementation of SuffixDecoding over the same history, since
-arctic-inference is not installed); histospec_chain; histospec_tree. The
+suffix (vLLM's ``suffix`` through arctic-inference, or a re-implementation of SuffixDecoding
+where it is not installed); histospec_chain. The
 ``hindsight_ceiling`` ablation says what the text allows: at each step the longest
 continuation any occurrence of the last token (or the last two) offers, picked knowing the
 answer (``HindsightMethod``); with one token, no chain that continues the last token in the
@@ -39,13 +38,15 @@ import time
 import zlib
 from typing import Optional
 
-from rhymerl.config import HistoSpecConfig
-from rhymerl.histospec import DraftProposer, HistoryStore, prompt_key
-from rhymerl.histospec.acceptance import accepted_prefix, accepted_tree_path
 from benchmarks.baselines import NgramDrafter, SuffixDecodingDrafter
-from rhymerl.histospec.goodput import StepCostModel
-from rhymerl.histospec.proposer import SOURCES
+from benchmarks.roofline import PRESETS, preset
 from benchmarks.synthetic import synthetic_trace
+from rhymerl.config import HistoSpecConfig
+from rhymerl.histospec import DraftProposer, HistoryStore, draft_calibration, prompt_key
+from rhymerl.histospec.acceptance import accepted_prefix
+from rhymerl.histospec.goodput import StepCostModel
+from rhymerl.histospec.proposer import DRAFTING, SOURCES, Drafting
+from rhymerl.histospec.step_costs import CPU_PRIOR, StepCosts
 from rhymerl.outputs.traces import TraceRecord, by_epoch, read_trace
 
 # -- methods: one interface over every drafter ------------------------------------------
@@ -60,8 +61,8 @@ class Method:
     def begin(self, rid: str, rec: TraceRecord) -> None:
         pass
 
-    def propose(self, rid: str, generated: list[int], max_len: int) -> tuple[list[int], Optional[list[int]]]:
-        return [], None
+    def propose(self, rid: str, generated: list[int], max_len: int) -> list[int]:
+        return []
 
     def feedback(self, rid: str, proposed: int, accepted: int) -> None:
         pass
@@ -99,7 +100,7 @@ class NgramMethod(Method):
     def propose(self, rid, generated, max_len):
         new = generated[self._seen[rid]:]
         self._seen[rid] = len(generated)
-        return self._d[rid].propose(new, max_len), None
+        return self._d[rid].propose(new, max_len)
 
     def end(self, rid, rec):
         self._d.pop(rid)
@@ -125,7 +126,7 @@ class SuffixMethod(Method):
     def propose(self, rid, generated, max_len):
         new = generated[self._seen[rid]:]
         self._seen[rid] = len(generated)
-        return self.d.propose(rid, new, max_len), None
+        return self.d.propose(rid, new, max_len)
 
     def end(self, rid, rec):
         self.d.end(rid, rec.token_ids)
@@ -180,7 +181,7 @@ class ArcticSuffixMethod(Method):
             ctx.extend(new)
         d = self.cache.speculate(rid, ctx[-self.depth:], max_spec_tokens=max_len, max_spec_factor=self.factor,
                                  min_token_prob=self.min_prob)
-        return list(d.token_ids), None
+        return list(d.token_ids)
 
     def end(self, rid, rec):
         new = rec.token_ids[self._seen.pop(rid):]
@@ -198,15 +199,15 @@ def _suffix_method(max_len: int) -> Method:
 
 
 class HistoSpecMethod(Method):
-    """HistoSpec's proposer replayed. Each replayed epoch is a rollout: the acceptance learnt
-    in the earlier ones carries over at ``histospec.acceptance_carry``'s weight, as the
-    trainer's does."""
+    """HistoSpec's proposer replayed, drafts priced at ``costs``. Each replayed epoch is a
+    rollout: the acceptance learnt in the earlier ones carries over as the trainer's does."""
 
-    def __init__(self, cfg: HistoSpecConfig, name: str):
+    def __init__(self, cfg: HistoSpecConfig, name: str, costs: StepCosts = CPU_PRIOR,
+                 drafting: Drafting = DRAFTING):
         self.name = name
         self.cfg = cfg
         self.store = HistoryStore(cfg)
-        self.prop = DraftProposer(self.store, cfg)
+        self.prop = DraftProposer(self.store, cfg, costs, drafting)
         self._epoch = -1
 
     _index_bytes = 0.0
@@ -226,11 +227,10 @@ class HistoSpecMethod(Method):
                         prompt=rec.prompt_token_ids)
 
     def propose(self, rid, generated, max_len):
-        d = self.prop.propose(rid, generated, max_len)
-        return d.tokens, (d.parents if self.cfg.tree else None)
+        return self.prop.propose(rid, generated, max_len).tokens
 
     def propose_step(self, items):
-        return [(d.tokens, d.parents if self.cfg.tree else None) for d in self.prop.propose_step(items)]
+        return [d.tokens for d in self.prop.propose_step(items)]
 
     def observe_step(self, num_requests, num_scored_tokens, seconds, num_drafting_requests=None):
         self.prop.observe_step(num_requests, num_scored_tokens, seconds, num_drafting_requests)
@@ -252,6 +252,7 @@ class HistoSpecMethod(Method):
             out[f"by_source/{src}/drafts"] = st[f"source/{src}/drafts"]
             out[f"by_source/{src}/accepted"] = st[f"source/{src}/accepted"]
             out[f"by_source/{src}/acceptance"] = st[f"source/{src}/accepted"] / max(1, st[f"source/{src}/proposed"])
+        out.update(self.prop.calibration.counts())
         return out
 
 
@@ -316,7 +317,7 @@ class HindsightMethod(Method):
                     while k < stop and text[i + k] == truth[p + k]:
                         k += 1
                     best = max(best, k)
-            out.append((truth[p:p + best], None))
+            out.append(truth[p:p + best])
         return out
 
     def observe_step(self, num_requests, num_scored_tokens, seconds, num_drafting_requests=None):
@@ -334,18 +335,14 @@ class HindsightMethod(Method):
 class StepTime:
     """Modelled engine step time (seconds): the goodput rule's own step-cost model held at
     these costs (``goodput.StepCostModel.predict``), so the replay's clock and the plans
-    priced against it are one formula. Draft tokens beyond ``free_tokens`` scored tokens are
-    charged, each at ``goodput.draft_price_scale`` of the per-token price. The defaults are the
-    trainer's prior (``HistoSpecConfig.step_cost_*``), without its drafting-row term."""
-    fixed: float = HistoSpecConfig.step_cost_fixed_ms * 1e-3
-    per_request: float = HistoSpecConfig.step_cost_per_request_ms * 1e-3
-    per_token: float = HistoSpecConfig.step_cost_per_token_ms * 1e-3
-    free_tokens: int = HistoSpecConfig.step_cost_free_tokens
-    ramp_requests: int = HistoSpecConfig.step_cost_draft_ramp_requests
+    priced against it are one formula. The defaults are the CPU prior, without its
+    drafting-row term."""
+    fixed: float = CPU_PRIOR.fixed_ms * 1e-3
+    per_request: float = CPU_PRIOR.per_request_ms * 1e-3
+    per_token: float = CPU_PRIOR.per_token_ms * 1e-3
 
     def __post_init__(self) -> None:
-        self._model = StepCostModel(self.fixed, self.per_request, self.per_token, free_tokens=self.free_tokens,
-                                    ramp_requests=self.ramp_requests)
+        self._model = StepCostModel(self.fixed, self.per_request, self.per_token)
 
     def __call__(self, num_requests: int, num_scored_tokens: int) -> float:
         return self._model.predict(num_requests, num_scored_tokens)
@@ -373,7 +370,7 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
         method.observe(order[0], epochs[order[0]])
     by_epoch_tf: dict[int, list[int]] = {}
     for ep in (order if cold else order[1:]):
-        tok0, fwd0 = tokens, forwards
+        tok0, fwd0, s0 = tokens, forwards, modelled_s
         reqs = [(f"{ep}:{pid}:{r.sample_idx}", r) for pid, recs in sorted(epochs[ep].items()) for r in recs]
         for rid, rec in reqs:
             method.begin(rid, rec)
@@ -387,15 +384,15 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
             else:
                 drafts = [method.propose(rid, g, max_len) for (rid, _), g in zip(active, gens)]
             t_draft += clock() - t0
-            scored = len(active) + sum(len(d) for d, _ in drafts)
+            scored = len(active) + sum(len(d) for d in drafts)
             secs = step_time(len(active), scored)
             modelled_s += secs
             if stepwise:
-                method.observe_step(len(active), scored, secs, sum(1 for d, _ in drafts if d))
+                method.observe_step(len(active), scored, secs, sum(1 for d in drafts if d))
             acc = []
-            for (rid, rec), (draft, parents) in zip(active, drafts):
+            for (rid, rec), draft in zip(active, drafts):
                 rest = rec.token_ids[pos[rid]:]
-                a = accepted_prefix(draft, rest) if parents is None else accepted_tree_path(draft, parents, rest)
+                a = accepted_prefix(draft, rest)
                 acc.append(a)
                 forwards += 1
                 proposed += len(draft)
@@ -403,7 +400,7 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
                 accepted += a
                 pos[rid] += min(a + 1, len(rest))
             t0 = clock()
-            for (rid, _), (draft, _), a in zip(active, drafts, acc):
+            for (rid, _), draft, a in zip(active, drafts, acc):
                 method.feedback(rid, len(draft), a)
             t_draft += clock() - t0
             still = []
@@ -414,10 +411,11 @@ def simulate(method: Method, epochs: dict[int, dict[str, list[TraceRecord]]], ma
                 else:
                     still.append((rid, rec))
             active = still
-        by_epoch_tf[ep] = [tokens - tok0, forwards - fwd0]
+        by_epoch_tf[ep] = [tokens - tok0, forwards - fwd0, modelled_s - s0]
         method.observe(ep, epochs[ep])
     return {
-        "tokens_per_forward_by_epoch": {str(e): round(t / max(1, f), 4) for e, (t, f) in by_epoch_tf.items()},
+        "tokens_per_forward_by_epoch": {str(e): round(t / max(1, f), 4) for e, (t, f, _) in by_epoch_tf.items()},
+        "modelled_step_time_s_by_epoch": {str(e): s for e, (_, _, s) in by_epoch_tf.items()},
         "tokens_per_forward": tokens / max(1, forwards),
         "mean_accepted_len": accepted / max(1, forwards),
         "acceptance_rate": accepted / max(1, proposed),
@@ -446,9 +444,9 @@ def time_tiny_forward(batch: int, draft_tokens: int, context: int = 128) -> Opti
         import transformers
     except Exception:
         return None
-    from rhymerl.config import TinyModelConfig
+    from rhymerl.models.tiny import TinyShape
 
-    t = TinyModelConfig()
+    t = TinyShape()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=384, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
                                    num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
@@ -519,8 +517,6 @@ def _table(title: str, rows: dict[str, dict], cols: list[str]) -> str:
     return "\n".join(lines)
 
 
-RECOMMENDED = {"min_match": 1, "start_after": 0}
-
 COLS = ["tokens_per_forward", "mean_accepted_len", "acceptance_rate", "draft_tokens_per_forward",
         "draft_us_per_token", "draft_us_per_call", "index_kb_per_1k_tokens", "modelled_wall_speedup"]
 
@@ -538,44 +534,35 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-len", type=int, default=16, help="draft tokens per step the engine allows (num_speculative_tokens)")
     ap.add_argument("--verify-cost", type=float, default=0.05,
                     help="cost of one extra verified token relative to a decode step (modelled_speedup)")
-    prior = HistoSpecConfig()
-    ap.add_argument("--step-fixed-ms", type=float, default=prior.step_cost_fixed_ms,
-                    help="modelled engine step, which the goodput rule also plans for: fixed cost (ms); the "
-                    "--step-* defaults are the trainer's prior (HistoSpecConfig's step_cost_*), except that this "
-                    f"replay does not charge a drafting row its {prior.step_cost_per_drafting_request_ms} ms; a GPU "
-                    "config's come from python -m benchmarks.roofline")
-    ap.add_argument("--step-per-request-ms", type=float, default=prior.step_cost_per_request_ms,
-                    help="modelled engine step: cost per request (ms)")
-    ap.add_argument("--step-per-token-ms", type=float, default=prior.step_cost_per_token_ms,
-                    help="modelled engine step: cost per scored token (ms)")
-    ap.add_argument("--step-free-tokens", type=int, default=prior.step_cost_free_tokens,
-                    help="modelled engine step: scored tokens per step whose drafts cost nothing extra")
-    ap.add_argument("--step-ramp-requests", type=int, default=prior.step_cost_draft_ramp_requests,
-                    help="modelled engine step: a draft token costs min(1, R / this) of the per-token cost at R requests")
-    ap.add_argument("--tree-nodes", type=int, default=32, help="node budget of histospec_tree")
+    ap.add_argument("--costs", choices=PRESETS, default="cpu",
+                    help="the modelled engine's step costs, which the goodput rule also plans with: the CPU prior, or "
+                    "a shipped GPU config's engine on H100s as it derives them (benchmarks/roofline.py); --step-* "
+                    "override single terms. A drafting row is charged nothing of its own in this replay")
+    ap.add_argument("--step-fixed-ms", type=float, help="modelled engine step: fixed cost (ms)")
+    ap.add_argument("--step-per-request-ms", type=float, help="modelled engine step: cost per request (ms)")
+    ap.add_argument("--step-per-token-ms", type=float, help="modelled engine step: cost per scored token (ms)")
     ap.add_argument("--ablations", choices=["none", "quick", "full"], default="quick")
     ap.add_argument("--no-forward-timing", action="store_true", help="skip timing the tiny model's forward (no torch import)")
-    ap.add_argument("--acceptance-carry", type=float, default=prior.acceptance_carry,
+    ap.add_argument("--acceptance-carry", type=float, default=DRAFTING.acceptance_carry,
                     help="weight the acceptance HistoSpec learnt in earlier epochs keeps at each replayed epoch, as at "
-                    "each of the trainer's rollouts (histospec.acceptance_carry; 0 = the prior again, 1 = all kept)")
+                    "each of the trainer's rollouts (0 = the prior again, 1 = all kept)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
-    if args.step_free_tokens < 0:
-        print(f"benchmarks histospec: --step-free-tokens must be >= 0 (got {args.step_free_tokens})", file=sys.stderr)
-        return 2
-    for flag, v in (("--step-fixed-ms", args.step_fixed_ms), ("--step-per-request-ms", args.step_per_request_ms)):
+    base_costs = preset(args.costs)
+    costs = dataclasses.replace(
+        base_costs, per_drafting_request_ms=0.0,
+        fixed_ms=base_costs.fixed_ms if args.step_fixed_ms is None else args.step_fixed_ms,
+        per_request_ms=base_costs.per_request_ms if args.step_per_request_ms is None else args.step_per_request_ms,
+        per_token_ms=base_costs.per_token_ms if args.step_per_token_ms is None else args.step_per_token_ms)
+    for flag, v in (("--step-fixed-ms", costs.fixed_ms), ("--step-per-request-ms", costs.per_request_ms)):
         if not v >= 0:
             print(f"benchmarks histospec: {flag} must be >= 0 (got {v})", file=sys.stderr)
             return 2
-    if not args.step_per_token_ms > 0:
-        print(f"benchmarks histospec: --step-per-token-ms must be > 0 (got {args.step_per_token_ms})", file=sys.stderr)
+    if not costs.per_token_ms > 0:
+        print(f"benchmarks histospec: --step-per-token-ms must be > 0 (got {costs.per_token_ms})", file=sys.stderr)
         return 2
     if not 0.0 <= args.acceptance_carry <= 1.0:
         print(f"benchmarks histospec: --acceptance-carry must be in [0, 1] (got {args.acceptance_carry})",
-              file=sys.stderr)
-        return 2
-    if args.step_ramp_requests < 1:
-        print(f"benchmarks histospec: --step-ramp-requests must be >= 1 (got {args.step_ramp_requests})",
               file=sys.stderr)
         return 2
 
@@ -592,22 +579,9 @@ def main(argv: list[str]) -> int:
         print(f"benchmarks histospec: the trace needs at least 2 epochs (got {sorted(epochs)})", file=sys.stderr)
         return 2
 
-    # The goodput rule plans drafts for the engine this benchmark models (its step costs),
-    # which charges a drafting row nothing of its own (StepTime has no such term).
-    base = dataclasses.replace(HistoSpecConfig(), step_cost_fixed_ms=args.step_fixed_ms,
-                               step_cost_per_request_ms=args.step_per_request_ms,
-                               step_cost_per_token_ms=args.step_per_token_ms,
-                               step_cost_per_drafting_request_ms=0.0,
-                               step_cost_free_tokens=args.step_free_tokens,
-                               step_cost_draft_ramp_requests=args.step_ramp_requests,
-                               acceptance_carry=args.acceptance_carry)
-    # The main rows use the settings this benchmark selects (see the min_match and
-    # start_after ablations); the config's defaults are reported as an ablation row.
-    chain_cfg = dataclasses.replace(base, max_draft=args.max_len, **RECOMMENDED)
-    tree_cfg = dataclasses.replace(chain_cfg, tree=True, tree_nodes=args.tree_nodes)
-
-    step_time = StepTime(args.step_fixed_ms * 1e-3, args.step_per_request_ms * 1e-3, args.step_per_token_ms * 1e-3,
-                         args.step_free_tokens, args.step_ramp_requests)
+    cfg = HistoSpecConfig()
+    drafting = dataclasses.replace(DRAFTING, acceptance_carry=args.acceptance_carry)
+    step_time = StepTime(costs.fixed_ms * 1e-3, costs.per_request_ms * 1e-3, costs.per_token_ms * 1e-3)
     none_s: list[float] = []
 
     def run(method: Method, max_len: int = args.max_len) -> dict:
@@ -620,92 +594,84 @@ def main(argv: list[str]) -> int:
 
     done: dict[tuple, dict] = {}
 
-    def run_hs(cfg: HistoSpecConfig, max_len: int) -> dict:
+    def hs(c: HistoSpecConfig = cfg, d: Drafting = drafting, step_costs: StepCosts = costs) -> dict:
         # Ablation rows equal to an already measured configuration reuse its figures.
-        key = (dataclasses.astuple(cfg), max_len)
+        key = (dataclasses.astuple(c), d, step_costs)
         if key not in done:
-            done[key] = run(HistoSpecMethod(cfg, "histospec"), max_len)
+            done[key] = run(HistoSpecMethod(c, "histospec", step_costs, d))
         return dict(done[key])
 
     methods = {
         "none": run(Method()),
         "ngram": run(NgramMethod(2, 5)),
         "suffix": run(_suffix_method(args.max_len)),
-        "histospec_chain": run_hs(chain_cfg, args.max_len),
-        "histospec_tree": run(HistoSpecMethod(tree_cfg, "histospec_tree"), max_len=tree_cfg.tree_nodes),
+        "histospec_chain": hs(),
     }
     methods["ngram"]["params"] = "prompt_lookup_min=2, prompt_lookup_max=5 (vLLM default 5/5 in ablations)"
+    calib_counts = {k: v for k, v in methods["histospec_chain"].items() if k.startswith("calibration/")}
+    for m in methods.values():
+        for k in calib_counts:
+            m.pop(k, None)
+
+    # The trace's first epoch alone, with no history at all: what the group and cross-prompt
+    # sources give before any epoch has finished.
+    first: dict[str, dict] = {}
+    first_none: list[float] = []
+    for label, method in (("none", Method()), ("ngram", NgramMethod(2, 5)), ("suffix", _suffix_method(args.max_len)),
+                          ("histospec_chain", HistoSpecMethod(cfg, "first", costs, drafting))):
+        m = simulate(method, epochs, args.max_len, cold=True, step_time=step_time)
+        if not first_none:
+            first_none.append(m["modelled_step_time_s"])
+        m["modelled_wall_speedup"] = first_none[0] / max(1e-12, m["modelled_step_time_s"])
+        first[label] = {k: v for k, v in _finish(m, args.verify_cost).items() if not k.startswith("calibration/")}
     methods["suffix"]["params"] = ("vLLM suffix via arctic-inference: " if isinstance(_suffix_method(1), ArcticSuffixMethod)
                                    else "re-implementation (arctic-inference not installed): ") + \
         "max_tree_depth 24, max_spec_factor 1, min_token_prob 0.1"
-    methods["histospec_tree"]["params"] = f"tree_nodes={tree_cfg.tree_nodes}, tree_topk={tree_cfg.tree_topk}"
 
     ablations: dict[str, dict[str, dict]] = {}
     if args.ablations != "none":
-        def hs(label: str, max_len: int = args.max_len, **kw) -> dict:
-            return run_hs(dataclasses.replace(chain_cfg, **kw), max_len)
+        def hd(**kw) -> dict:
+            return hs(d=dataclasses.replace(drafting, **kw))
 
-        rules = {}
-        for L in ([2, 4, 8, 16, 32] if args.ablations == "full" else [4, 16, 32]):
-            rules[f"fixed_{L}"] = hs(f"fixed_{L}", max(L, args.max_len), draft_rule="fixed", fixed_len=L, max_draft=L)
-        rules["aimd_paper_cap32"] = hs("aimd", 32, draft_rule="aimd", max_draft=32)
-        rules["mimd_release_cap16"] = hs("mimd", 16, draft_rule="mimd", max_draft=16)
-        rules["adaptive_cap16"] = hs("adaptive16", 16, draft_rule="adaptive", max_draft=16)
-        rules["adaptive_cap32"] = hs("adaptive32", 32, draft_rule="adaptive", max_draft=32)
-        ablations["draft_rule"] = rules
-        ablations["min_match"] = {f"min_match_{m}": hs(f"mm{m}", min_match=m) for m in (1, 2, 3, 4)}
-        ablations["config_defaults"] = {
-            f"HistoSpecConfig() (min_match {base.min_match}, start_after {base.start_after})":
-                run_hs(dataclasses.replace(base, max_draft=args.max_len), args.max_len)}
-        ablations["start_after"] = {f"start_after_{s}": hs(f"sa{s}", start_after=s)
-                                    for s in ((0, 4, 8) if args.ablations == "full" else (0, 4))}
-        ablations["branch"] = {b: hs(b, branch=b) for b in ("frequency", "reward")}
-        ablations["siblings"] = {f"include_siblings_{s}": hs(f"sib{s}", include_siblings=s) for s in (True, False)}
         # Which source contributes what: each alone, and all but one.
-        only = {"history": dict(include_siblings=False, include_global=False),
-                "group": dict(include_history=False, include_global=False),
-                "global": dict(include_history=False, include_siblings=False)}
-        srcs = {f"only_{k}": hs(f"only{k}", **kw) for k, kw in only.items()}
-        srcs["without_history"] = hs("nohist", include_history=False)
-        srcs["without_group"] = hs("nogroup", include_siblings=False)
-        srcs["without_global"] = hs("noglobal", include_global=False)
-        srcs["all"] = hs("all")
+        srcs = {f"only_{s}": hd(sources=(s,)) for s in SOURCES}
+        for s in SOURCES:
+            srcs[f"without_{s}"] = hd(sources=tuple(x for x in SOURCES if x != s))
+        srcs["all"] = hs()
         ablations["sources"] = srcs
-        ablations["epochs_kept"] = {f"epochs_kept_{k}": hs(f"ek{k}", epochs_kept=k) for k in (1, 2, 3, 4)}
+        ablations["epochs_kept"] = {f"epochs_kept_{k}": hs(dataclasses.replace(cfg, epochs_kept=k)) for k in (1, 2, 3, 4)}
         # SuffixDecoding ties a draft's length to its match's (max_spec_factor 1); whether that
-        # pays depends on a draft token's price (--step-per-token-ms).
-        ablations["match_length_factor"] = {f"match_length_factor_{f:g}": hs(f"mlf{f:g}", match_length_factor=f)
+        # pays depends on a draft token's price.
+        ablations["match_length_factor"] = {f"match_length_factor_{f:g}": hd(match_length_factor=f)
                                             for f in (0.0, 1.0, 2.0)}
         # A short match in a small index looks certain; scaling sources' chains by L / (L + K)
         # when they are compared lets a longer match elsewhere win.
         ablations["match_confidence_tokens"] = {
-            f"match_confidence_tokens_{k:g}": hs(f"mct{k:g}", match_confidence_tokens=k) for k in (0.0, 1.0, 2.0, 4.0)}
-        # Both knobs off: the drafter before they became defaults.
-        ablations["match_confidence_tokens"]["match_confidence_tokens_0_length_factor_0"] = hs(
-            "mct0mlf0", match_confidence_tokens=0.0, match_length_factor=0.0)
-        ablations["draft_rule_goodput_vs_adaptive"] = {
-            "goodput": hs("gp"), "adaptive": hs("ad", draft_rule="adaptive")}
-        cold = {}
-        for sib in (True, False):
-            cfg = dataclasses.replace(chain_cfg, include_siblings=sib)
-            cold[f"histospec_chain, include_siblings={sib}"] = _finish(
-                simulate(HistoSpecMethod(cfg, "cold"), epochs, args.max_len, cold=True, step_time=step_time),
-                args.verify_cost)
-        cold["suffix"] = _finish(simulate(_suffix_method(args.max_len), epochs, args.max_len, cold=True,
-                                          step_time=step_time), args.verify_cost)
-        ablations["cold_start_first_epoch"] = cold
+            f"match_confidence_tokens_{k:g}": hd(match_confidence_tokens=k) for k in (0.0, 1.0, 2.0, 4.0)}
+        ablations["match_confidence_tokens"]["match_confidence_tokens_0_length_factor_0"] = hd(
+            match_confidence_tokens=0.0, match_length_factor=0.0)
         ablations["ngram_params"] = {"ngram[5,5] (vLLM default)": run(NgramMethod(5, 5))}
         # What the text allows: the best continuation, picked knowing the answer, of the last
-        # one or two tokens anywhere a drafter could have looked (chains of at most --max-len).
+        # one or two tokens anywhere a drafter could have looked (chains of at most --max-len),
+        # beside HistoSpec's chains drafted whole (drafts priced at almost nothing).
+        free = StepCosts(fixed_ms=1e3, per_request_ms=0.0, per_token_ms=1e-6)
         ablations["hindsight_ceiling"] = {
             "histospec_chain (goodput)": dict(methods["histospec_chain"]),
-            f"histospec_chain fixed_{args.max_len}": hs("fixed_max", draft_rule="fixed", fixed_len=args.max_len),
+            "histospec_chain, every chain whole": hs(step_costs=free),
             **{f"hindsight, last {c} token{'s' if c > 1 else ''}": run(HindsightMethod(c)) for c in (1, 2)}}
+        # Does the rule plan at the right prices? Drafts planned at scaled draft-token prices, or
+        # with another acceptance prior, against the same modelled clock: the defaults should be
+        # within a few % of the best of them.
+        scaled = {}
+        for f in (0.5, 0.7, 1.0, 1.4, 2.0):
+            plan_at = dataclasses.replace(costs, per_token_ms=costs.per_token_ms * f)
+            scaled[f"draft_price_x{f:g}"] = hs(step_costs=plan_at)
+        for prior in (0.5, 0.6, 0.8, 0.9):
+            scaled[f"acceptance_prior_{prior:g}"] = hd(acceptance_prior=prior)
+        ablations["rule_scaling"] = scaled
         if args.ablations == "full":
-            ablations["match_window"] = {f"match_window_{w}": hs(f"mw{w}", match_window=w) for w in (3, 5, 7, 12)}
-            ablations["min_prob"] = {f"min_prob_{p}": hs(f"mp{p}", min_prob=p) for p in (0.0, 0.1, 0.3)}
-            ablations["tree_nodes"] = {f"tree_nodes_{k}": run(HistoSpecMethod(dataclasses.replace(tree_cfg, tree_nodes=k), "t"), k)
-                                       for k in (16, 32, 64)}
+            ablations["match_window"] = {f"match_window_{w}": hd(match_window=w) for w in (3, 5, 7, 12)}
+            ablations["min_prob"] = {f"min_prob_{p}": hd(min_prob=p) for p in (0.0, 0.1, 0.3)}
 
     # Drafting cost vs a target forward: one decode step drafts for every running request.
     batch = 32
@@ -725,20 +691,33 @@ def main(argv: list[str]) -> int:
         why = "skipped (--no-forward-timing)" if args.no_forward_timing else "torch not importable"
         cost["note"] = f"tiny-model forward timing {why}: compare draft_us_per_step with the forward time in `bench rollout`"
 
-    order_ok = (methods["histospec_tree"]["tokens_per_forward"] >= methods["histospec_chain"]["tokens_per_forward"]
-                >= methods["suffix"]["tokens_per_forward"] >= methods["ngram"]["tokens_per_forward"] >= 1.0)
+    order_ok = (methods["histospec_chain"]["tokens_per_forward"] >= methods["suffix"]["tokens_per_forward"]
+                >= methods["ngram"]["tokens_per_forward"] >= 1.0)
     history_index = index_build_cost(epochs)
-    result = {"methods": methods, "ablations": ablations, "cost": cost, "source": source,
+    calib_rows = draft_calibration.table(calib_counts)
+    result = {"methods": methods, "first_epoch": first, "ablations": ablations, "cost": cost, "source": source,
+              "calibration": {"buckets": calib_rows, "min_tokens": draft_calibration.MIN_TOKENS,
+                              "worst_gap": round(draft_calibration.worst_gap(calib_counts), 4)},
               "history_index": history_index,
-              "ordering_tree>=chain>=suffix>=ngram>=1": order_ok,
-              "histospec_settings": {k: getattr(chain_cfg, k) for k in ("draft_rule", "max_draft", "match_window", "min_match",
-                                                              "min_prob", "start_after", "branch", "include_siblings",
-                                                              "include_global", "epochs_kept",
-                                                              "match_length_factor", "match_confidence_tokens",
-                                                              "acceptance_carry")},
+              "ordering_chain>=suffix>=ngram>=1": order_ok,
+              "step_costs": dataclasses.asdict(costs) | {"preset": args.costs},
+              "histospec_settings": {**dataclasses.asdict(cfg), **dataclasses.asdict(drafting)},
               "wall_s": round(time.perf_counter() - t_start, 2)}
 
+    if "rule_scaling" in ablations:
+        rows = ablations["rule_scaling"]
+        best = max(rows, key=lambda k: rows[k]["modelled_wall_speedup"])
+        own = methods["histospec_chain"]["modelled_wall_speedup"]
+        result["rule_scaling"] = {"defaults": own, "best": best, "best_speedup": rows[best]["modelled_wall_speedup"],
+                                  "defaults_over_best": round(own / rows[best]["modelled_wall_speedup"], 4)}
     print(_table("HistoSpec offline replay (greedy-exact; identical for sampled one-hot drafts)", methods, COLS), file=sys.stderr)
+    print("", file=sys.stderr)
+    print(_table("first epoch alone, no history (modelled speedup against none's first epoch)", first, COLS),
+          file=sys.stderr)
+    print("", file=sys.stderr)
+    print(_table(f"histospec_chain: predicted against realised acceptance of verified draft positions (worst gap "
+                 f"{result['calibration']['worst_gap']:.3f} over buckets of >= {draft_calibration.MIN_TOKENS})",
+                 {r["bucket"]: r for r in calib_rows}, ["tokens", "predicted", "realised", "gap"]), file=sys.stderr)
     for name, rows in ablations.items():
         print("", file=sys.stderr)
         print(_table(f"ablation: {name}", rows, COLS), file=sys.stderr)
@@ -752,8 +731,11 @@ def main(argv: list[str]) -> int:
                  ["drafts", "accepted_per_forward", "acceptance_rate"]), file=sys.stderr)
     print(f"\nhistory index build (targets <= {BUILD_US_TARGET} us and <= {BYTES_TARGET} B per history token): "
           f"{json.dumps(history_index)}", file=sys.stderr)
-    print(f"\ndrafting cost: {json.dumps(cost)}\nordering tree>=chain>=suffix>=ngram>=1: {order_ok}"
+    print(f"\ndrafting cost: {json.dumps(cost)}\nordering chain>=suffix>=ngram>=1: {order_ok}"
           f"\nwall {result['wall_s']} s", file=sys.stderr)
+    if "rule_scaling" in result:
+        print(f"rule scaling: the defaults reach {result['rule_scaling']['defaults_over_best']:.3f} of the best "
+              f"alternative ({result['rule_scaling']['best']})", file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -236,16 +236,16 @@ def _model_workload(args) -> Workload:
     from rhymerl.models import resolve_model
 
     if args.model == "builtin:tiny":
-        from rhymerl.config import TinyModelConfig
+        from rhymerl.models.tiny import TinyShape
 
         # vLLM's CPU attention has no head size 16 (the default tiny shape): use 2 heads of 32.
-        model_dir = resolve_model(ModelConfig(path=args.model, tiny=TinyModelConfig(num_attention_heads=2, num_key_value_heads=1)))
+        model_dir = resolve_model(ModelConfig(path=args.model), TinyShape(num_attention_heads=2, num_key_value_heads=1))
     else:
         model_dir = resolve_model(ModelConfig(path=args.model))
     prompts = _prompts(model_dir, args.prompts)
     cfg = RolloutConfig(n=args.n, temperature=1.0 if args.temperature is None else args.temperature,
                         max_tokens=args.max_tokens or 64, num_speculative_tokens=args.k,
-                        max_num_seqs=max(64, args.n * len(prompts)), max_model_len=1024, cpu_kv_cache_gb=1.0)
+                        max_num_seqs=max(64, args.n * len(prompts)), max_model_len=1024)
     return Workload(model_dir, prompts, cfg, HistoSpecConfig(), args.seed, len(prompts))
 
 

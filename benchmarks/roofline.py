@@ -1,18 +1,12 @@
-"""HistoSpec's step-cost prior for a GPU rollout engine, from the decode roofline.
+"""HistoSpec's GPU step-cost prior, printed: what an engine on a CUDA device prices drafts at.
 
-The goodput rule prices drafts with a step-time model (``histospec.step_cost_*``: fixed +
-per request + per scored token). The dataclass defaults are measured on the 2-core CPU of
-the embedded run, where a draft token costs about a row from 4 requests on; on a GPU decode is
-memory-bound and a scored token costs little next to reading the weights, so a GPU config
-states its own prior. This derives one from the same roofline the cluster simulator uses
-(``histopipe.cost.DecodeCostModel.for_instance``): the fixed cost is one read of the
-weights per step, a request adds the read of its KV cache (at ``context_tokens``), a scored
-token adds its matmul FLOPs.
+An engine picks its prior when it starts (``rhymerl.histospec.device_costs.for_engine``: the
+decode roofline of its model, tensor-parallel split and device kind at half of
+``rollout.max_tokens``); this prints that prior for a model folder and a split, to compare
+with ``bench step --calibrate`` on a real node, and names the presets the offline replays
+price drafts at (``bench histospec --costs``).
 
     python -m benchmarks.roofline /models/Qwen2.5-7B --tp 1 --context 4096
-
-prints the keys for a config (the price of a draft token flat at every batch size).
-``histospec.step_cost: measured`` then refits them from the engine's own steps as the run goes.
 """
 
 from __future__ import annotations
@@ -20,22 +14,34 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
-from rhymerl.histopipe.cost import DecodeCostModel
-from rhymerl.distributed.memory_plan import DTYPE_BYTES, kv_bytes_per_token, model_params
+from rhymerl.distributed.memory_plan import DTYPE_BYTES
+from rhymerl.histospec.device_costs import gpu_prior
+from rhymerl.histospec.step_costs import CPU_PRIOR, StepCosts
 from rhymerl.resharding.layout import ModelLayout
 
+# Published config.json values of the models the shipped GPU configs name.
+QWEN25_7B = dict(architectures=["Qwen2ForCausalLM"], hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False)
+QWEN25_32B = dict(architectures=["Qwen2ForCausalLM"], hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+                  num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, tie_word_embeddings=False)
 
-def gpu_step_cost_prior(layout: ModelLayout, dtype: str, tp: int, context_tokens: int, max_batch: int,
-                        hbm_tb_s: float = 3.35, peak_tflops: float = 989.0, gpu_mem_gb: float = 80.0) -> dict:
-    """``histospec.step_cost_*`` (ms) for an engine of ``tp`` GPUs (H100 SXM figures by default)."""
-    nbytes = DTYPE_BYTES[dtype]
-    params = model_params(layout)
-    cm = DecodeCostModel.for_instance(tp=tp, max_batch=max_batch, weights_gb=params * nbytes / 1e9,
-                                      kv_bytes_per_token=kv_bytes_per_token(layout, nbytes, 1), gpu_mem_gb=gpu_mem_gb,
-                                      hbm_tb_s=hbm_tb_s, peak_tflops=peak_tflops, params_b=params / 1e9)
-    return cm.goodput_prior(context_tokens)
+
+def preset(name: str) -> StepCosts:
+    """Step costs by name: ``cpu`` (the CPU prior), or a shipped GPU config's engine on H100s
+    (its model, split and half its ``rollout.max_tokens``), as the engine would derive them."""
+    if name == "cpu":
+        return CPU_PRIOR
+    if name == "qwen2.5-7b-h100":
+        return gpu_prior(ModelLayout.from_hf_config(QWEN25_7B), "bfloat16", 1, 4096, 256)
+    if name == "qwen2.5-32b-h100":
+        return gpu_prior(ModelLayout.from_hf_config(QWEN25_32B), "bfloat16", 4, 8192, 256)
+    raise ValueError(f"unknown step-cost preset {name!r}; known: {', '.join(PRESETS)}")
+
+
+PRESETS = ("cpu", "qwen2.5-7b-h100", "qwen2.5-32b-h100")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,14 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg_path = Path(args.model) / "config.json"
     try:
         layout = ModelLayout.from_hf_config(json.loads(cfg_path.read_text()))
-        prior = gpu_step_cost_prior(layout, args.dtype, args.tp, args.context, args.max_batch, args.hbm_tb_s,
-                                    args.peak_tflops)
+        prior = gpu_prior(layout, args.dtype, args.tp, args.context, args.max_batch, args.hbm_tb_s, args.peak_tflops)
     except (OSError, ValueError, KeyError) as e:
         print(f"roofline: {cfg_path}: {e}", file=sys.stderr)
         return 2
-    print("histospec:")
-    for k, v in prior.items():
-        print(f"  {k}: {v}")
+    print(json.dumps(asdict(prior), indent=1))
     return 0
 
 

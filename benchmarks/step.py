@@ -14,7 +14,7 @@ run. The cost of a draft token: ``histospec`` drafting from an untimed pass over
 requests, (step time - none's step time) / drafts per step, patched and unpatched.
 
 ``--calibrate`` measures the goodput rule's step-cost prior instead
-(``benchmarks/step_calibration.py``) and prints it as ``histospec.step_cost_*`` overrides.
+(``benchmarks/step_calibration.py``) and prints it as a device prior (``StepCosts``).
 
     python -m benchmarks step --json
     python -m benchmarks step --sizes 2,32 --tokens 32
@@ -226,7 +226,7 @@ def main(argv: list[str]) -> int:
                    help="interleaved repetitions per variant, median kept (default 3); --calibrate: passes over its grid (1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--calibrate", action="store_true",
-                   help="measure the goodput rule's step-cost prior (histospec.step_cost_* keys) on this machine")
+                   help="measure the goodput rule's step-cost prior (a StepCosts) on this machine")
     from benchmarks.rollout import add_threads_flag
 
     add_threads_flag(p)

@@ -4,7 +4,8 @@ HistoSpec plans drafts with a step-time model, seconds = fixed + (per_request + 
 + per_token x D + per_drafting_request x N, for a decode step of R requests of which N carry
 D draft tokens in all (``goodput.StepCostModel``). With ``step_cost: measured`` the engine
 refits it as it runs; ``step_cost: prior`` (the default: resumed sampled runs replay token
-for token) plans with the configured ``histospec.step_cost_*`` keys, which this measures.
+for token) plans with its device kind's prior (``rhymerl/histospec/step_costs.py``'s
+``CPU_PRIOR`` on a CPU), which this measures.
 
 One engine, greedy decoding, drafts from the history alone with a fixed length: the history
 holds an untimed pass over the first N of the R prompts, so exactly those requests draft and
@@ -12,8 +13,8 @@ their drafts are the tokens the engine writes. Each decode step's (R, D, N, seco
 where the engine reports it to the proposer (prefill steps excluded, as in the live fit), over
 a grid of requests, drafting shares and draft lengths, and fitted by the engine's own fit
 (``StepCostModel``) without its prior. The draft token's price by batch size (each drafted
-step's excess over the fit without drafts, per draft token) shows the shape
-``histospec.step_cost_draft_ramp_requests`` models.
+step's excess over the fit without drafts, per draft token) shows whether one price per
+draft token holds at every batch size, as the model assumes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import dataclasses
 from typing import Any, Iterable, Sequence
 
 from rhymerl.histospec.goodput import StepCostModel
+from rhymerl.histospec.proposer import DRAFTING, Draft, DraftProposer
+from rhymerl.histospec.step_costs import StepCosts
 
 # Drafting shares of the requests and draft lengths each batch size is measured at.
 GRID = ((0.0, 0), (0.5, 1), (0.5, 4), (1.0, 2))
@@ -50,8 +53,8 @@ def _fitted(rows: Sequence[StepRow]) -> StepCostModel:
 
 
 def fit_step_costs(rows: Iterable[StepRow]) -> dict:
-    """The step-cost model's coefficients (ms) from measured decode steps, as the config keys
-    state them, with the fit's relative error and the draft price by batch size."""
+    """The step-cost model's coefficients (ms) from measured decode steps, as ``StepCosts``
+    states them, with the fit's relative error and the draft price by batch size."""
     rows = [r for r in rows if r.requests > 0 and r.seconds > 0]
     drafted = [r for r in rows if r.draft_tokens > 0]
     if len({r.requests for r in rows}) < 2 or len(drafted) < 4 or len(rows) < 8:
@@ -79,16 +82,16 @@ def fit_step_costs(rows: Iterable[StepRow]) -> dict:
         notes.append("a draft token fitted dearer than a row: per_request clamped to 0")
     if per_drow == 0.0:
         notes.append("a drafting row fitted at no cost or less beyond its tokens: clamped to 0")
-    keys = {"step_cost_fixed_ms": 1e3 * fixed, "step_cost_per_request_ms": 1e3 * per_request,
-            "step_cost_per_token_ms": 1e3 * per_token, "step_cost_per_drafting_request_ms": 1e3 * per_drow}
+    keys = {"fixed_ms": 1e3 * fixed, "per_request_ms": 1e3 * per_request, "per_token_ms": 1e3 * per_token,
+            "per_drafting_request_ms": 1e3 * per_drow}
     return {"keys": keys, "per_row_ms": 1e3 * (per_request + per_token), "relative_rms_error": model.relative_error,
             "steps": len(rows), "steps_with_drafts": len(drafted), "no_draft_fit_ms": None if base is None else
             {"fixed": 1e3 * base[0], "per_request": 1e3 * base[1]}, "draft_price_by_requests": price, "notes": notes}
 
 
-def overrides(keys: dict) -> str:
-    """The fitted costs as command-line overrides of a run config."""
-    return " ".join(f"histospec.{k}={v:.4g}" for k, v in keys.items())
+def prior(keys: dict) -> str:
+    """The fitted costs as the ``StepCosts`` a device's prior is written as."""
+    return "StepCosts(" + ", ".join(f"{k}={v:.4g}" for k, v in keys.items()) + ")"
 
 
 def table(out: dict) -> str:
@@ -96,15 +99,15 @@ def table(out: dict) -> str:
     lines = [f"step-cost calibration: {out['model']}, greedy, {out['tokens']} tokens per request, threads={out['threads']}: "
              f"{out['steps']} decode steps ({out['steps_with_drafts']} with drafts), relative rms error "
              f"{out['relative_rms_error']:.3f}",
-             f"  a step {k['step_cost_fixed_ms']:.2f} ms + a row {out['per_row_ms']:.2f} ms + a draft token "
-             f"{k['step_cost_per_token_ms']:.2f} ms + a drafting row {k['step_cost_per_drafting_request_ms']:.2f} ms "
+             f"  a step {k['fixed_ms']:.2f} ms + a row {out['per_row_ms']:.2f} ms + a draft token "
+             f"{k['per_token_ms']:.2f} ms + a drafting row {k['per_drafting_request_ms']:.2f} ms "
              "beyond its tokens"]
     if out["draft_price_by_requests"]:
         lines.append("  a draft token's price by requests in the step (excess over the fit without drafts): " + "  ".join(
             f"{b['requests']}: {b['ms_per_draft_token']:.2f} ms ({b['draft_tokens_per_step']:.1f} a step)"
             for b in out["draft_price_by_requests"]))
     lines += [f"  note: {n}" for n in out["notes"]]
-    lines.append(f"  prior: {overrides(k)}")
+    lines.append(f"  prior: {prior(k)}")
     return "\n".join(lines)
 
 
@@ -120,11 +123,11 @@ def measure(args: Any) -> list[StepRow]:
     top = max(args.sizes)
     # Distinct prompts: one prompt's history must not draft for another request.
     prompts = _prompts(model_dir, top, distinct=True)
-    base = dataclasses.replace(HistoSpecConfig(), include_siblings=False, include_global=False, draft_rule="fixed",
-                               min_match=1, start_after=0)
+    base = HistoSpecConfig()
     cfg = RolloutConfig(speculative="histospec", n=1, temperature=0.0, max_tokens=args.tokens, num_speculative_tokens=8,
-                        max_num_seqs=max(64, top), max_model_len=1024, cpu_kv_cache_gb=1.0)
+                        max_num_seqs=max(64, top), max_model_len=1024)
     engine = RolloutEngine(cfg, base, model_dir, seed=args.seed)
+    engine._DraftProposer = FixedLengthProposer
     rows: list[StepRow] = []
     sampling = SamplingSpec(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     try:
@@ -133,8 +136,8 @@ def measure(args: Any) -> list[StepRow]:
             for size in args.sizes:
                 for share, length in GRID:
                     drafting = min(size, max(1, round(share * size))) if share > 0 else 0
-                    engine.histospec_cfg = dataclasses.replace(base, fixed_len=max(1, length))
-                    engine.set_history(HistoryStore(engine.histospec_cfg, vocab_size=engine.vocab_size))
+                    FixedLengthProposer.length = max(1, length)
+                    engine.set_history(HistoryStore(base, vocab_size=engine.vocab_size))
                     if drafting:  # untimed: the history the first ``drafting`` requests draft from
                         engine.generate(prompts[:drafting], 1, sampling, epoch=0)
                     # Where the engine reports each decode step to its proposer: the steps the live fit sees.
@@ -151,3 +154,17 @@ def measure(args: Any) -> list[StepRow]:
     finally:
         engine.shutdown()
     return rows
+
+
+class FixedLengthProposer(DraftProposer):
+    """Drafts of ``length`` tokens from the history alone (what the chain allows): the grid's
+    controlled drafting, its drafts priced at nothing so that every chain is drafted."""
+
+    length = 1
+    FREE = StepCosts(fixed_ms=1e3, per_request_ms=0.0, per_token_ms=1e-6, search_us=0.0)
+
+    def __init__(self, store, cfg, costs=None, drafting=None):
+        super().__init__(store, cfg, self.FREE, dataclasses.replace(DRAFTING, sources=("history",)))
+
+    def propose_step(self, items) -> list[Draft]:
+        return super().propose_step([(rid, gen, min(max_len, self.length)) for rid, gen, max_len in items])

@@ -13,7 +13,7 @@ backend (TP=PP=DP=1, this process). Variants, each timed as the trainer's traini
 
 Prints seconds per variant and each one's ratio to ``on_policy_cut``. ``--attention`` and
 ``--recompute-activations`` / ``--recompute-norms`` choose the backend's attention kernel and
-recomputation, ``--autocast`` its mixed precision (run once per choice to compare them).
+recomputation (run once per choice to compare them).
 """
 
 from __future__ import annotations
@@ -66,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute-activations", action="store_true", help="parallel.recompute_activations")
     ap.add_argument("--recompute-norms", choices=["true", "false"], default=None,
                     help="parallel.recompute_norms (default: the config default)")
-    ap.add_argument("--autocast", choices=("none", "bfloat16", "auto"), default="none", help="parallel.autocast")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -79,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from rhymerl.distributed.process_groups import destroy_process_groups, init_process_groups
 
     batch, lengths = trace_batch(args.trace, args.rows, args.prompt_tokens, args.step)
-    pcfg = ParallelConfig(attention=args.attention, recompute_activations=args.recompute_activations,
-                          autocast=args.autocast)
+    pcfg = ParallelConfig(attention=args.attention, recompute_activations=args.recompute_activations)
     if args.recompute_norms is not None:
         pcfg.recompute_norms = args.recompute_norms == "true"
     groups = init_process_groups(pcfg, 1, 0)
@@ -116,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
            "prompt_tokens": args.prompt_tokens, "batch_width": int(batch.input_ids.shape[1]),
            "micro_batch_tokens": args.micro_batch_tokens, "attention": args.attention,
            "recompute_activations": args.recompute_activations, "recompute_norms": pcfg.recompute_norms,
-           "autocast": args.autocast, "matmul_dtype": backend.matmul_dtype_name,
+           "matmul_dtype": str(backend.dtype).removeprefix("torch."),
            "repeats": args.repeats,
            "seconds": {k: round(statistics.median(v), 3) for k, v in times.items()},
            "ratio_to_on_policy_cut": {k: round(statistics.median(v) / base, 3) for k, v in times.items()}}

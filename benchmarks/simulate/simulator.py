@@ -14,7 +14,7 @@ Schedulers, all on the same workload and cost model:
 - oracle: knows every response's true length: one central longest-work-first queue; the
   practical limit.
 
-Every scheduler is a policy of ``scheduler.Scheduler`` driven by ``engine.simulate``.
+Every scheduler is a policy of ``scheduler.Scheduler`` driven by ``event_loop.simulate``.
 The cost model comes from a calibration file (``calibration``; its source is printed), and
 the projection rows combine it with HistoSpec's tokens per forward by position
 (``spec_profile``) for {no speculation, HistoSpec} x {random/least-loaded, HistoPipe}.
@@ -47,7 +47,7 @@ from benchmarks.simulate.spec_profile import SpecProfile
 from rhymerl.histopipe.predictor import LengthPredictor
 from benchmarks.simulate.workload import (DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_LEN, Workload, from_trace, reorder,
                                           synthetic, tile)
-from rhymerl.outputs.traces import TraceError
+from rhymerl.outputs.traces import TraceError, by_epoch, read_trace
 
 SCHEDULERS = ("random", "round_robin", "least_loaded", "histopipe", "oracle")
 DEFAULT_GPUS = (64, 512, 4096)
@@ -178,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m benchmarks simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", action="append", help="GPU counts, repeatable or comma-separated (default 64,512,4096)")
     ap.add_argument("--tp", type=int, default=4, help="GPUs per rollout instance (default 4)")
-    ap.add_argument("--trace", default="synthetic", help="rollout trace JSONL (rhymerl.outputs.traces) or 'synthetic'")
+    ap.add_argument("--trace", default="synthetic", help="rollout trace JSONL (rhymerl.outputs.traces) or 'synthetic'; "
+                    "a trace also gives the projection HistoSpec's speed, replayed on it")
     ap.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ap.add_argument("--schedulers", default=",".join(SCHEDULERS), help="comma-separated subset of " + ",".join(SCHEDULERS))
     ap.add_argument("--prompts-per-instance", type=float, default=16.0, help="prompt groups per instance in the step")
@@ -191,8 +192,6 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shuffle", action="store_true", help="shuffle the step's prompt order (dataset order otherwise)")
     ap.add_argument("--calibration", default=None, help="cost-model calibration JSON (default: the shipped roofline file)")
-    ap.add_argument("--spec-trace", default=None, help="measure HistoSpec's tokens per forward by position on this trace "
-                    "(default: the calibration file's speculation profile)")
     ap.add_argument("--no-projection", action="store_true", help="skip the speculation x scheduling projection rows")
     ap.add_argument("--genie", action="store_true", help="also run HistoPipe given the true per-group mean lengths, and "
                     "given which responses run far past their group's mean (stderr): separates predictor error from the "
@@ -223,9 +222,17 @@ def main(argv: list[str]) -> int:
     cfg = HistoPipeConfig()
     try:
         cost, cal_source, cal = calibration.load(args.calibration)
-        spec = spec_profile.measure_for_engine(args.spec_trace, cost, args.prompt_len + args.max_tokens / 2) \
-            if args.spec_trace else \
-            (SpecProfile.from_dict(cal["speculation"]) if "speculation" in cal else None)
+        # A trace's own speculation: HistoSpec replayed on it (history needs a second epoch),
+        # drafts priced at this engine's costs; the synthetic workload takes the calibration
+        # file's measured profile.
+        if args.trace == "synthetic":
+            spec = SpecProfile.from_dict(cal["speculation"]) if "speculation" in cal else None
+        elif len(by_epoch(read_trace(args.trace))) >= 2:
+            spec = spec_profile.measure_for_engine(args.trace, cost, args.prompt_len + args.max_tokens / 2)
+        else:
+            spec = None
+            print(f"simulate histopipe: {args.trace} has one epoch: no speculation profile to project with",
+                  file=sys.stderr)
     except (ValueError, TraceError) as e:
         print(f"simulate histopipe: {e}", file=sys.stderr)
         return 2

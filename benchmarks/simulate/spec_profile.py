@@ -23,6 +23,8 @@ from typing import Optional
 
 import numpy as np
 
+from rhymerl.histospec.step_costs import CPU_PRIOR, StepCosts, roofline_costs
+
 # Bucket edges in tokens (the last bucket is open-ended).
 EDGES = (0, 64, 256, 1024, 4096)
 
@@ -73,9 +75,9 @@ class SpecProfile:
         return p
 
 
-def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES, repeats: int = 1,
+def measure(trace: str | Path, costs: StepCosts = CPU_PRIOR, max_len: int = 16, edges=EDGES, repeats: int = 1,
             host: str = "the replaying host", pricing: str = "") -> SpecProfile:
-    """Replay ``trace`` through the HistoSpec proposer (``cfg``: HistoSpecConfig).
+    """Replay ``trace`` through the HistoSpec proposer, drafts priced at ``costs``.
 
     The drafts are the same in every replay; the proposer's CPU time is the median of
     ``repeats`` replays on ``host``. ``pricing`` says what the drafts were priced at."""
@@ -86,7 +88,7 @@ def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES, repeats
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    cfg = cfg or HistoSpecConfig()
+    cfg = HistoSpecConfig()
     ep = by_epoch(read_trace(trace))
     order = sorted(ep)
     if len(order) < 2:
@@ -98,7 +100,7 @@ def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES, repeats
 
     def replay():
         store = HistoryStore(cfg)
-        prop = DraftProposer(store, cfg)
+        prop = DraftProposer(store, cfg, costs)
         toks = np.zeros(nb)
         fwds = np.zeros(nb)
         drafted = np.zeros(nb)
@@ -166,17 +168,13 @@ def measure(trace: str | Path, cfg=None, max_len: int = 16, edges=EDGES, repeats
 def measure_for_engine(trace: str | Path, cost, context_tokens: float, repeats: int = 1,
                        host: str = "the replaying host") -> SpecProfile:
     """``measure`` with drafts priced at the simulated engine's step costs (``cost``: the
-    calibration's ``DecodeCostModel``), as a config for that engine states them
-    (``histospec.roofline``)."""
-    from dataclasses import replace
-
-    from rhymerl.config import HistoSpecConfig
-
-    prior = cost.goodput_prior(context_tokens)
+    calibration's ``DecodeCostModel``), as an engine on that device prices them
+    (``rhymerl.histospec.device_costs``)."""
+    prior = roofline_costs(cost, context_tokens)
     pricing = (f"; drafts priced at this engine's roofline at a {int(context_tokens)}-token context "
-               f"({prior['step_cost_fixed_ms']} ms + {prior['step_cost_per_request_ms']} ms per request + "
-               f"{prior['step_cost_per_token_ms']} ms per scored token)")
-    return measure(trace, replace(HistoSpecConfig(), **prior), repeats=repeats, host=host, pricing=pricing)
+               f"({prior.fixed_ms} ms + {prior.per_request_ms} ms per request + "
+               f"{prior.per_token_ms} ms per scored token)")
+    return measure(trace, prior, repeats=repeats, host=host, pricing=pricing)
 
 
 def load(path: Optional[str | Path]) -> Optional[SpecProfile]:

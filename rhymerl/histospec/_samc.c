@@ -2,12 +2,10 @@
  *
  * Builds the same generalised suffix automaton as SuffixAutomaton(online=False).add()
  * followed by freeze(): the same states in the same order (ids are creation order),
- * the same clones, the same counts summed in the same order (so even the float
- * weighted counts are bit-identical), and emits the frozen form's flat columns:
+ * the same clones, the same counts, and emits the frozen form's flat columns:
  *
  *   ln, link        int32 per state
  *   cnt             int64 per state (occurrences of the state's strings)
- *   wcnt            float64 per state (the same, each occurrence weighed by its sequence)
  *   off             int32 per state + 1 (CSR offsets into the edge columns)
  *   etok, edst      int32 per edge: each state's edges, the preferred child first
  *                   (most frequent, smaller token on ties), the rest by token
@@ -15,7 +13,7 @@
  * Pure Python spends ~5 us per history token on dict and list objects; this spends a
  * fraction of a microsecond, which is what keeps index building off the critical path
  * at cluster scale. Input: one int32 buffer of all sequences (each already led by the
- * START marker), int64 offsets (sequences + 1), float64 weights (one per sequence).
+ * START marker) and int64 offsets (sequences + 1).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,7 +24,6 @@
 typedef struct {
     int32_t *ln, *link, *head;   /* per state; head = first edge in the state's list */
     int64_t *cnt;
-    double *wcnt;
     int32_t *etok, *edst, *enext; /* per edge */
     uint64_t *hkey;              /* open addressing: (state << 32 | tok) + 1, 0 = empty */
     int32_t *hval;               /* edge id */
@@ -75,7 +72,6 @@ static inline int32_t new_state(Sam *m, int32_t ln, int32_t link) {
     m->link[v] = link;
     m->head[v] = -1;
     m->cnt[v] = 0;
-    m->wcnt[v] = 0.0;
     return v;
 }
 
@@ -85,7 +81,6 @@ static int32_t clone_of(Sam *m, int32_t p, int32_t q, int32_t c) {
         /* Online: the clone's end positions are q's (the caller's walk adds the new one).
          * Bulk: a clone owns no end position itself. */
         m->cnt[cl] = m->cnt[q];
-        m->wcnt[cl] = m->wcnt[q];
     }
     for (int32_t e = m->head[q]; e >= 0; e = m->enext[e]) add_edge(m, cl, m->etok[e], m->edst[e]);
     while (p != -1) {
@@ -98,7 +93,7 @@ static int32_t clone_of(Sam *m, int32_t p, int32_t q, int32_t c) {
     return cl;
 }
 
-static int32_t extend(Sam *m, int32_t last, int32_t c, double w) {
+static int32_t extend(Sam *m, int32_t last, int32_t c) {
     int32_t cur;
     int32_t e = find(m, last, c);
     if (e >= 0) {
@@ -118,21 +113,16 @@ static int32_t extend(Sam *m, int32_t last, int32_t c, double w) {
     }
     if (!m->online) {
         m->cnt[cur] += 1;
-        m->wcnt[cur] += w;
         return cur;
     }
     /* The new end position belongs to cur and every state on its suffix-link path. */
-    for (int32_t v = cur; v > 0; v = m->link[v]) {
-        m->cnt[v] += 1;
-        m->wcnt[v] += w;
-    }
+    for (int32_t v = cur; v > 0; v = m->link[v]) m->cnt[v] += 1;
     m->cnt[0] += 1;
-    m->wcnt[0] += w;
     return cur;
 }
 
 static void sam_free(Sam *m) {
-    free(m->ln); free(m->link); free(m->head); free(m->cnt); free(m->wcnt);
+    free(m->ln); free(m->link); free(m->head); free(m->cnt);
     free(m->etok); free(m->edst); free(m->enext); free(m->hkey); free(m->hval);
 }
 
@@ -148,13 +138,12 @@ static int sam_alloc(Sam *m, size_t ntok) {
     m->link = malloc(m->cap_states * sizeof(int32_t));
     m->head = malloc(m->cap_states * sizeof(int32_t));
     m->cnt = malloc(m->cap_states * sizeof(int64_t));
-    m->wcnt = malloc(m->cap_states * sizeof(double));
     m->etok = malloc(m->cap_edges * sizeof(int32_t));
     m->edst = malloc(m->cap_edges * sizeof(int32_t));
     m->enext = malloc(m->cap_edges * sizeof(int32_t));
     m->hkey = calloc(h, sizeof(uint64_t));
     m->hval = malloc(h * sizeof(int32_t));
-    if (!m->ln || !m->link || !m->head || !m->cnt || !m->wcnt || !m->etok || !m->edst || !m->enext || !m->hkey
+    if (!m->ln || !m->link || !m->head || !m->cnt || !m->etok || !m->edst || !m->enext || !m->hkey
         || !m->hval) {
         sam_free(m);
         return -1;
@@ -164,8 +153,7 @@ static int sam_alloc(Sam *m, size_t ntok) {
 }
 
 /* Counts of every state's strings: each occurrence marked its own state; children in
- * the suffix-link tree are strictly longer, so sum by decreasing length, and within
- * one length in increasing state id (the Python builder's order, for identical floats). */
+ * the suffix-link tree are strictly longer, so sum by decreasing length. */
 static int total_counts(Sam *m) {
     size_t n = m->nstates;
     int32_t maxln = 0;
@@ -181,9 +169,7 @@ static int total_counts(Sam *m) {
         int64_t lo = start[l - 1], hi = start[l];
         for (int64_t i = lo; i < hi; i++) {
             int32_t v = order[i];
-            int32_t u = m->link[v];
-            m->cnt[u] += m->cnt[v];
-            m->wcnt[u] += m->wcnt[v];
+            m->cnt[m->link[v]] += m->cnt[v];
         }
     }
     free(start);
@@ -201,19 +187,18 @@ static PyObject *bytes_of(const void *p, size_t n) {
 }
 
 static PyObject *build(PyObject *self, PyObject *args) {
-    Py_buffer tb, ob, wb;
-    if (!PyArg_ParseTuple(args, "y*y*y*", &tb, &ob, &wb)) return NULL;
+    Py_buffer tb, ob;
+    if (!PyArg_ParseTuple(args, "y*y*", &tb, &ob)) return NULL;
     PyObject *res = NULL;
     size_t ntok = (size_t)tb.len / sizeof(int32_t);
     size_t nseq_off = (size_t)ob.len / sizeof(int64_t);
     const int32_t *tok = tb.buf;
     const int64_t *off = ob.buf;
-    const double *wts = wb.buf;
     Sam m;
     int32_t *coff = NULL, *ctok = NULL, *cdst = NULL;
     uint64_t *tmp = NULL;
-    if (nseq_off < 1 || (size_t)wb.len / sizeof(double) != nseq_off - 1 || off[nseq_off - 1] != (int64_t)ntok) {
-        PyErr_SetString(PyExc_ValueError, "build: offsets/weights do not match the token buffer");
+    if (nseq_off < 1 || off[nseq_off - 1] != (int64_t)ntok) {
+        PyErr_SetString(PyExc_ValueError, "build: offsets do not match the token buffer");
         goto done;
     }
     if (ntok > (size_t)INT32_MAX / 3) {
@@ -224,7 +209,7 @@ static PyObject *build(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     for (size_t s = 0; s + 1 < nseq_off; s++) {
         int32_t last = 0;
-        for (int64_t i = off[s]; i < off[s + 1]; i++) last = extend(&m, last, tok[i], wts[s]);
+        for (int64_t i = off[s]; i < off[s + 1]; i++) last = extend(&m, last, tok[i]);
     }
     Py_END_ALLOW_THREADS
     if (total_counts(&m) < 0) { PyErr_NoMemory(); sam_free(&m); goto done; }
@@ -268,16 +253,14 @@ static PyObject *build(PyObject *self, PyObject *args) {
         }
     }
     coff[n] = (int32_t)k;
-    res = Py_BuildValue("(NNNNNNN)", bytes_of(m.ln, n * sizeof(int32_t)), bytes_of(m.link, n * sizeof(int32_t)),
-                        bytes_of(m.cnt, n * sizeof(int64_t)), bytes_of(m.wcnt, n * sizeof(double)),
-                        bytes_of(coff, (n + 1) * sizeof(int32_t)), bytes_of(ctok, k * sizeof(int32_t)),
+    res = Py_BuildValue("(NNNNNN)", bytes_of(m.ln, n * sizeof(int32_t)), bytes_of(m.link, n * sizeof(int32_t)),
+                        bytes_of(m.cnt, n * sizeof(int64_t)), bytes_of(coff, (n + 1) * sizeof(int32_t)), bytes_of(ctok, k * sizeof(int32_t)),
                         bytes_of(cdst, k * sizeof(int32_t)));
     sam_free(&m);
 done:
     free(coff); free(ctok); free(cdst); free(tmp);
     PyBuffer_Release(&tb);
     PyBuffer_Release(&ob);
-    PyBuffer_Release(&wb);
     return res;
 }
 
@@ -482,7 +465,7 @@ done:
 /* _chain_from over _greedy: the greedy chain after the match, backing off to shorter
  * matches while the match is at least ``min_match`` long and the chain is empty. */
 static PyObject *chain_with(const Reads *r, const void *ix, long long st, long long ln, long long min_match,
-                            long long limit, long long conf_limit, double min_prob, double conf) {
+                            long long limit, double min_prob) {
     if (st < 0 || st >= r->nstates(ix)) {
         PyErr_SetString(PyExc_IndexError, "chain: state out of range");
         return NULL;
@@ -492,12 +475,12 @@ static PyObject *chain_with(const Reads *r, const void *ix, long long st, long l
         if (!toks || !probs) { Py_XDECREF(toks); Py_XDECREF(probs); return NULL; }
         double p = 1.0, score = 0.0;
         int64_t v = st;
-        for (long long k = 0; k < conf_limit; k++) {
+        for (long long k = 0; k < limit; k++) {
             int64_t c, u;
             double q;
             if (!r->next(ix, v, &c, &u, &q)) break;
             p *= q;
-            if (p < min_prob || (k >= limit && p < conf)) break;
+            if (p < min_prob) break;
             PyObject *ct = PyLong_FromLongLong(c), *qt = PyFloat_FromDouble(q);
             if (!ct || !qt || PyList_Append(toks, ct) < 0 || PyList_Append(probs, qt) < 0) {
                 Py_XDECREF(ct); Py_XDECREF(qt); Py_DECREF(toks); Py_DECREF(probs);
@@ -553,7 +536,7 @@ static int sam_reserve(Sam *m, size_t ntok) {
     void *tmp;
     if (need_s > m->cap_states) {
         size_t cap = m->cap_states * 2 > need_s ? m->cap_states * 2 : need_s;
-        if (GROW(m->ln, cap) || GROW(m->link, cap) || GROW(m->head, cap) || GROW(m->cnt, cap) || GROW(m->wcnt, cap))
+        if (GROW(m->ln, cap) || GROW(m->link, cap) || GROW(m->head, cap) || GROW(m->cnt, cap))
             return -1;
         m->cap_states = cap;
     }
@@ -636,7 +619,7 @@ static PyObject *group_push(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_OverflowError, "push: token id out of int32 range");
             goto done;
         }
-        cur = extend(&g->m, cur, (int32_t)c, 1.0);
+        cur = extend(&g->m, cur, (int32_t)c);
         g->ntok++;
     }
     res = PyLong_FromLong(cur);
@@ -693,14 +676,13 @@ static PyObject *advance(PyObject *self, PyObject *args) {
 
 static PyObject *chain(PyObject *self, PyObject *args) {
     PyObject *cap;
-    long long st, ln, min_match, limit, conf_limit;
-    double min_prob, conf;
-    if (!PyArg_ParseTuple(args, "OLLLLLdd", &cap, &st, &ln, &min_match, &limit, &conf_limit, &min_prob, &conf))
-        return NULL;
+    long long st, ln, min_match, limit;
+    double min_prob;
+    if (!PyArg_ParseTuple(args, "OLLLLd", &cap, &st, &ln, &min_match, &limit, &min_prob)) return NULL;
     const Reads *r;
     const void *ix = index_of(cap, &r);
     if (!ix) return NULL;
-    return chain_with(r, ix, st, ln, min_match, limit, conf_limit, min_prob, conf);
+    return chain_with(r, ix, st, ln, min_match, limit, min_prob);
 }
 
 /* (ln, link, cnt) per state and (state, token, child) per edge: for tests against the
@@ -726,13 +708,13 @@ static PyObject *group_columns(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"build", build, METH_VARARGS,
-     "build(tokens_i32, offsets_i64, weights_f64) -> (ln, link, cnt, wcnt, off, etok, edst) as bytes"},
+     "build(tokens_i32, offsets_i64) -> (ln, link, cnt, off, etok, edst) as bytes"},
     {"view", view, METH_VARARGS, "view(ln, link, cnt, off, etok, edst) -> a handle on a frozen index's columns"},
     {"advance", advance, METH_VARARGS,
      "advance(view or group, state, length, generated (list, tuple or 1-D int buffer), start, n, window, start_token)"
      " -> (state, length)"},
     {"chain", chain, METH_VARARGS,
-     "chain(view or group, state, length, min_match, limit, conf_limit, min_prob, conf)"
+     "chain(view or group, state, length, min_match, limit, min_prob)"
      " -> (tokens, probs, score, state, match length) | None"},
     {"group_new", group_new, METH_NOARGS, "group_new() -> a growing group index (one node: the root)"},
     {"group_push", group_push, METH_VARARGS, "group_push(group, cursor, tokens) -> the new end state"},

@@ -1,18 +1,4 @@
-"""How much history a rank keeps, and which visits go first when it is full.
-
-``plan_token_budget`` sizes the store from the dataset and the memory at hand: keeping
-``epochs_kept`` visits of every prompt needs at most ``prompts x n x max_tokens x
-epochs_kept`` tokens (every response at its length limit); the memory allowed is a
-fraction of the node's available RAM shared by the ranks on the node, at the store's
-bytes per token (int32 token ids: 4). The budget is the smaller of the two, and the
-plan says whether a whole epoch fits (otherwise prompts lose their history before they
-come back, and HistoSpec and the length predictor fall back for them).
-
-``VisitBudget`` is the eviction policy the store runs: it holds (prompt, epoch) visits
-with their token counts and, beyond the budget, evicts the globally oldest visits
-first, never the visit just added. It works on counts alone, so a DAPO-sized epoch
-(hundreds of millions of tokens) can be replayed through it in a test.
-"""
+"""How much history a rank keeps, and which visits go first when it is full."""
 
 from __future__ import annotations
 
@@ -21,8 +7,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-# Token ids are kept as int32 arrays (see store.py).
-STORED_BYTES_PER_TOKEN = 4
+STORED_BYTES_PER_TOKEN = 4  # token ids are kept as int32 arrays (see store.py)
 
 
 @dataclass(frozen=True)

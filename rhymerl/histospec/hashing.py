@@ -1,11 +1,4 @@
-"""Prompt keys: a stable 64-bit hash of the prompt's token ids.
-
-The key is XXH64 (seed 0) over the token ids as little-endian int32 bytes, the same
-scheme the released HistoSpec uses, so a rollout engine can find a prompt's history
-from the token ids alone, with no side channel. If the ``xxhash`` package is missing
-the pure-Python XXH64 below computes the identical value (it is slower, ~1 us per
-token, which is fine: a key is computed once per request).
-"""
+"""Prompt keys: XXH64 (seed 0) of the token ids as little-endian int32, as the released HistoSpec."""
 
 from __future__ import annotations
 

@@ -1,20 +1,4 @@
-"""History store: each prompt's responses from its last K rollout visits.
-
-Keyed by ``prompt_key`` (a hash of the prompt token ids). Each kept visit ("epoch")
-holds the n responses and their rewards; a suffix automaton per prompt indexes all
-kept responses. A global token budget bounds the store (``budget.py``: sized from the
-dataset and the memory at hand when ``token_budget`` is 0): when it is exceeded the
-globally oldest visits are evicted first (a prompt whose last visit is evicted is
-forgotten). Tokens are kept as int32 arrays (4 bytes per token). Saved as a versioned,
-checksummed binary file; the indexes are not saved (they are rebuilt from the tokens).
-
-Indexes are built lazily, only for prompts about to be served: ``prebuild`` (a
-background thread the trainer starts for the next step's prompts, overlapping
-training; it also refreshes the cross-prompt index) or on first use (``index``). A prompt's index is dropped whenever a visit is
-added or evicted, and kept in the compact frozen form. Online (incremental) indexing
-is used where text arrives while requests draft from it: in-flight siblings
-(``DraftProposer``) and SuffixDecoding's per-request tree (bench baseline).
-"""
+"""History store: each prompt's responses from its last K visits, indexed lazily, saved checksummed."""
 
 from __future__ import annotations
 
@@ -44,25 +28,6 @@ class HistoryError(ValueError):
     """A corrupt or mismatched history file, or a bad argument to the store."""
 
 
-def reward_weights(rewards: Optional[Sequence[float]], n: int) -> list[float]:
-    """Per-response weights for reward-aware branch choice, in [0.5, 1.5].
-
-    The paper only says branches from higher-reward responses are preferred; its
-    formula was not published. We weigh each occurrence by 1 + (r - mean)/(max - min)
-    so a branch's weighted count still scales with its frequency (a rare high-reward
-    branch does not beat a unanimous one) while ties between similar counts go to the
-    higher-reward continuation. Equal or missing rewards give weight 1 everywhere.
-    """
-    if rewards is None:
-        return [1.0] * n
-    r = [float(x) for x in rewards]
-    lo, hi = min(r), max(r)
-    if not hi > lo:
-        return [1.0] * n
-    mean = sum(r) / n
-    return [1.0 + (x - mean) / (hi - lo) for x in r]
-
-
 @dataclass
 class _Visit:
     epoch: int
@@ -82,9 +47,7 @@ class _Entry:
 
 class HistoryStore:
     def __init__(self, cfg: HistoSpecConfig, vocab_size: int | None = None, token_budget: int | None = None):
-        """``token_budget`` overrides ``cfg.token_budget``; with neither (0 = auto) the store
-        may use ``cfg.memory_fraction`` of the available memory (the trainer sizes it from
-        the dataset with ``budget.plan_token_budget``)."""
+        """``token_budget`` overrides ``cfg.token_budget``; with neither, ``cfg.memory_fraction`` of memory."""
         if cfg.epochs_kept < 1:
             raise HistoryError(f"histospec.epochs_kept must be >= 1 (got {cfg.epochs_kept})")
         self.cfg = cfg
@@ -94,16 +57,14 @@ class HistoryStore:
         if token_budget is None:
             token_budget = cfg.token_budget or max(1, int(cfg.memory_fraction * available_memory_bytes()
                                                           / STORED_BYTES_PER_TOKEN))
-        # (key, epoch) visits in insertion order with their sizes: eviction takes from the front.
         self._budget = VisitBudget(token_budget)
         self._lock = threading.RLock()
         self.build_s = 0.0
         self.built_tokens = 0
-        # Shared index over other prompts' responses (built on first use after a change).
+        # Shared index over every prompt's responses (built on first use after a change).
         self._global: Optional[FrozenSuffixAutomaton] = None
         self._global_stale = True
 
-    # -- queries --------------------------------------------------------------------
     @property
     def vocab_size(self) -> int | None:
         """The vocabulary size given at construction, else (largest token id seen) + 1."""
@@ -157,8 +118,7 @@ class HistoryStore:
         return idx
 
     def prebuild(self, keys, background: bool = True) -> Optional[threading.Thread]:
-        """Build the indexes of ``keys`` (the prompts about to be served) ahead of use;
-        in a daemon thread by default, so it overlaps whatever the caller does next."""
+        """Build the indexes of ``keys`` ahead of use, by default in a daemon thread."""
         keys = [int(k) for k in keys if int(k) in self._entries]
 
         def work() -> None:
@@ -184,9 +144,8 @@ class HistoryStore:
                 "stored_bytes_per_token": STORED_BYTES_PER_TOKEN, "index_builder": BUILDER}
 
     def global_index(self) -> Optional[FrozenSuffixAutomaton]:
-        """One index over the newest visit of every prompt (SuffixDecoding's global cache),
-        newest visits first up to ``global_token_budget`` tokens; None if empty or disabled."""
-        if not self.cfg.include_global or self.cfg.global_token_budget <= 0:
+        """One index over the newest kept visits up to ``global_token_budget`` tokens; None if empty or 0."""
+        if self.cfg.global_token_budget <= 0:
             return None
         if self._global_stale:
             with self._lock:
@@ -197,16 +156,11 @@ class HistoryStore:
 
     def _build_global(self) -> Optional[FrozenSuffixAutomaton]:
         budget = self.cfg.global_token_budget
-        seen: set[int] = set()
-        # Take the newest visits' arrays under the lock, index them outside it (the arrays
-        # are never modified in place, so a concurrent add or eviction cannot hurt).
+        # Index outside the lock: the arrays are never modified in place.
         chosen: list[list[np.ndarray]] = []
         total = 0
         with self._lock:
             for key, epoch in reversed(list(self._budget)):
-                if key in seen and not self.cfg.global_all_visits:
-                    continue
-                seen.add(key)
                 v = next(x for x in self._entries[key].visits if x.epoch == epoch)
                 if total + v.num_tokens > budget:
                     break
@@ -217,7 +171,6 @@ class HistoryStore:
     def index_memory_bytes(self) -> int:
         return sum(e.index.memory_bytes() for e in self._entries.values() if e.index is not None)
 
-    # -- updates --------------------------------------------------------------------
     def add_group(self, key: int, epoch: int, responses: list[list[int]], rewards: list[float] | None = None) -> None:
         """Record a prompt's responses from one rollout visit (and index them now)."""
         if rewards is not None and len(rewards) != len(responses):
@@ -229,8 +182,7 @@ class HistoryStore:
             e = self._entries.setdefault(key, _Entry())
             if e.visits and epoch < e.visits[-1].epoch:
                 raise HistoryError(f"add_group: epoch {epoch} is older than the newest kept epoch {e.visits[-1].epoch} of this prompt")
-            if e.visits and e.visits[-1].epoch == epoch:
-                # A second group of the same prompt in the same epoch joins that visit.
+            if e.visits and e.visits[-1].epoch == epoch:  # a second group of the epoch joins its visit
                 v = e.visits[-1]
                 v.responses.extend(resp)
                 v.rewards = None if (v.rewards is None or rew is None) else v.rewards + rew
@@ -238,7 +190,6 @@ class HistoryStore:
                 e.visits.append(_Visit(epoch, resp, rew))
                 while len(e.visits) > self.cfg.epochs_kept:
                     self._drop_oldest_visit(key, e)
-            # The index is rebuilt from the kept tokens when next needed (prebuild or first use).
             e.index = None
             self._global_stale = True
             for k, ep in self._budget.add(key, epoch, sum(len(r) for r in resp)):
@@ -277,19 +228,11 @@ class HistoryStore:
 
     def _build(self, e: _Entry) -> Optional[FrozenSuffixAutomaton]:
         t0 = time.thread_time()
-        reward = self.cfg.branch == "reward"
-        seqs = [r for v in e.visits for r in v.responses]
-        # Weighted counts only steer the reward branch; without it they would equal the
-        # counts and cost the index a column.
-        weights = [w for v in e.visits for w in reward_weights(v.rewards, len(v.responses))] if reward else None
-        idx = build_frozen(seqs, weights)
-        if idx is not None and reward:
-            idx.best_arrays(True)
+        idx = build_frozen([r for v in e.visits for r in v.responses])
         self.build_s += time.thread_time() - t0
         self.built_tokens += idx.num_tokens if idx is not None else 0
         return idx
 
-    # -- serialisation ----------------------------------------------------------------
     def to_bytes(self) -> bytes:
         buf = io.BytesIO()
         vs = -1 if self._vocab_size is None else self._vocab_size
@@ -351,10 +294,9 @@ class HistoryStore:
         return store
 
     def _load_visit(self, key: int, epoch: int, responses: list[list[int]], rewards) -> None:
-        # No index build here: loading a large store stays fast; indexes build on first use.
+        # No index build here; the budget is enforced once the whole file is read.
         e = self._entries.setdefault(key, _Entry())
         e.visits.append(_Visit(epoch, responses, rewards))
-        # Budget is enforced once the whole file is read (oldest visits first).
         self._budget.load(key, epoch, sum(len(r) for r in responses))
         self._global_stale = True
         while len(e.visits) > self.cfg.epochs_kept:

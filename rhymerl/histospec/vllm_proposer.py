@@ -1,43 +1,14 @@
-"""vLLM adapter: HistoSpec as a ``custom_class`` speculative proposer.
-
-vLLM builds the class from ``speculative_config={"method": "custom_class", "model":
-"rhymerl.histospec.vllm_proposer.HistoSpecProposer", ...}`` with only a VllmConfig,
-and calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
-slot_mappings=...)`` once per decode step, rows in the model runner's batch order.
-That call carries no request ids, so the rollout engine ``attach``-es the model runner
-(its ``input_batch.req_ids`` and ``requests``) and the core ``DraftProposer`` after the
-engine is built; this works because the engine runs in-process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, also what external_launcher ranks use).
-
-Prompt identity: the engine puts ``rhymerl_key`` (prompt_key of the prompt ids),
-``rhymerl_rid`` (its own request id) and ``rhymerl_group`` in
-``SamplingParams.extra_args``; without them the key is hashed from the prompt ids.
-
-Per engine step all running requests are drafted together (``DraftProposer.propose_step``):
-under the goodput rule their lengths maximise expected tokens per second of the step
-(``goodput.py``), with the step-time model refitted from the time between consecutive
-calls (one call per engine step; decode-only steps are timed, steps that prefilled a
-new request are not). When no draft token pays, every row gets an empty draft.
-``rhymerl_pred_len`` in ``extra_args`` (HistoPipe's predicted response length) caps
-drafts near a response's predicted end.
-
-Drafts are returned as deterministic chains (no draft probabilities), which vLLM's
-rejection sampler verifies losslessly: a draft token d is accepted with probability
-p(d) and a rejection resamples from the residual, so outputs follow the policy exactly.
-Tree drafts are cut to their chain spine: vLLM 0.32 verifies chains only.
-"""
+"""vLLM adapter: HistoSpec as a ``custom_class`` speculative proposer. ``propose`` carries no request ids, so
+the engine ``attach``-es the model runner; requests identify themselves in ``SamplingParams.extra_args``."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Optional
 
 import numpy as np
 
 from rhymerl.histospec.hashing import prompt_key
-
-logger = logging.getLogger(__name__)
 
 
 class HistoSpecProposer:
@@ -49,17 +20,13 @@ class HistoSpecProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         self.runner: Any = None
         self.core: Any = None  # rhymerl.histospec.DraftProposer, or None = no drafts
-        # core request id -> [vllm req id, tokens proposed last step]
-        self._live: dict[str, list] = {}
+        self._live: dict[str, list] = {}  # core request id -> [vllm req id, tokens proposed last step]
         self._by_vllm_id: dict[str, str] = {}
         self.counts = {"calls": 0, "proposed": 0, "drafts": 0, "accepted": 0, "draft_time_s": 0.0,
                        "steps_without_drafts": 0}
-        # End of the previous propose call: the next call's start minus this is one engine
-        # step (schedule + forward + sample), the input of the step-time model.
+        # End of the previous call: the next call's start minus this is one engine step.
         self._last_end: Optional[float] = None
-        self._warned_tree = False
 
-    # -- vLLM interface ---------------------------------------------------------------
     def load_model(self, *args, **kwargs) -> None:
         """No draft model: drafts come from history."""
 
@@ -78,8 +45,7 @@ class HistoSpecProposer:
         self._drop_finished(requests)
         rows: list[int] = []
         items: list[tuple[str, np.ndarray, int]] = []
-        # The step that just ran: its rows and the tokens it scored (1 + last draft per row).
-        # A step that admitted a new request also prefilled it: not a decode step, not timed.
+        # The step that just ran: rows and scored tokens; a step that prefilled is not timed.
         step_rows = step_scored = step_drafting = 0
         decode_only = True
         for i in range(n):
@@ -113,8 +79,7 @@ class HistoSpecProposer:
             if params is not None and params.max_tokens is not None:
                 room = min(room, params.max_tokens - (num_tokens - p_len) - 1)
             max_len = min(self.k, room)
-            # A view, not a copy: the proposer reads only the tokens it has not seen, and
-            # copying a long response out of the table every step costs more than its draft.
+            # A view, not a copy: the proposer reads only the tokens it has not seen.
             generated = token_ids_cpu[i, p_len:num_tokens]
             rows.append(i)
             items.append((rid, generated, max_len))
@@ -122,10 +87,7 @@ class HistoSpecProposer:
             core.observe_step(step_rows, step_scored, t0 - self._last_end, step_drafting)
         drafts = core.propose_step(items) if items else []
         for i, (rid, _, max_len), d in zip(rows, items, drafts):
-            toks = d.tokens
-            if toks and not d.is_chain:
-                toks = self._spine(d)
-            toks = toks[:max_len]
+            toks = d.tokens[:max_len]
             if toks:
                 out[i] = toks
                 self._live[rid][1] = len(toks)
@@ -137,7 +99,6 @@ class HistoSpecProposer:
         self.counts["draft_time_s"] += self._last_end - t0
         return out
 
-    # -- engine interface -------------------------------------------------------------
     def attach(self, runner: Any, core: Any) -> None:
         self.runner = runner
         self.set_core(core)
@@ -169,7 +130,6 @@ class HistoSpecProposer:
         for key in self.counts:
             self.counts[key] = 0.0 if key == "draft_time_s" else 0
 
-    # -- internals --------------------------------------------------------------------
     def _begin(self, vid: str, state: Any) -> str:
         extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
         rid = str(extra.get("rhymerl_rid", vid))
@@ -189,14 +149,3 @@ class HistoSpecProposer:
         for vid, rid in list(self._by_vllm_id.items()):
             if vid not in requests:
                 self.end_request(rid)
-
-    def _spine(self, d: Any) -> list[int]:
-        if not self._warned_tree:
-            logger.warning("histospec.tree: vLLM verifies chains only; tree drafts are cut to their spine")
-            self._warned_tree = True
-        toks = []
-        for i, p in enumerate(d.parents):
-            if p != i - 1:
-                break
-            toks.append(d.tokens[i])
-        return toks

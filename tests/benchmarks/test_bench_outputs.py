@@ -30,7 +30,7 @@ def test_quiet_stdout_sends_native_writes_to_stderr():
 def test_e2e_step_rows_keep_the_reward_apart_from_the_reward_phase_time():
     from benchmarks.e2e import step_row, summarize
 
-    rows = [step_row(e, {"time/step_s": 2.0 + e, "reward/mean": 0.25 + e, "time/reward_s": 0.5, "time/rollout_s": 1.5,
+    rows = [step_row(e + 1, {"time/step_s": 2.0 + e, "reward/mean": 0.25 + e, "time/reward_s": 0.5, "time/rollout_s": 1.5,
                          "histospec/tokens_per_forward": 1.0 + e, "response/len_mean": 100.0,
                          "rollout/generated_tokens": 100 * (e + 1)}) for e in (0, 1, 2)]
     res = summarize(rows)
@@ -119,9 +119,9 @@ def test_e2e_rejects_a_bad_method_override_before_running(capsys):
     from benchmarks import e2e
 
     with pytest.raises(SystemExit) as exc:
-        e2e.main(["--methods", "histospec,histospec@histospec.max_draft=x"])
+        e2e.main(["--methods", "histospec,histospec@histospec.epochs_kept=x"])
     assert exc.value.code == 2
-    assert "histospec.max_draft: expected an integer" in capsys.readouterr().err
+    assert "histospec.epochs_kept: expected an integer" in capsys.readouterr().err
 
 
 def test_sweep_variant_applies_its_overrides_and_refuses_other_sections():
@@ -129,9 +129,9 @@ def test_sweep_variant_applies_its_overrides_and_refuses_other_sections():
     from rhymerl.config import ConfigError, HistoSpecConfig, RolloutConfig
 
     w = Workload(None, [[1]], RolloutConfig(n=2, max_tokens=64), HistoSpecConfig(), 0, 1)
-    rollout, h = w.variant(["histospec.step_cost_free_tokens=7", "rollout.max_tokens=32"])
-    assert (h.step_cost_free_tokens, rollout.max_tokens, rollout.n) == (7, 32, 2)
-    assert w.histospec.step_cost_free_tokens == 0  # the workload's own config is untouched
+    rollout, h = w.variant(["histospec.min_goodput_gain=0", "rollout.max_tokens=32"])
+    assert (h.min_goodput_gain, rollout.max_tokens, rollout.n) == (0.0, 32, 2)
+    assert w.histospec.min_goodput_gain == 0.05  # the workload's own config is untouched
     with pytest.raises(ConfigError, match="histospec.nope"):
         w.variant(["histospec.nope=1"])
     with pytest.raises(ConfigError, match="rollout.\\* and histospec.\\*"):
@@ -195,10 +195,10 @@ def test_e2e_equal_lengths_prices_off_at_the_variant_s_own_responses():
 
     cost = lambda longest, tokens: 1.0 + 0.05 * longest + 0.002 * tokens  # noqa: E731
     off = {"per_step": [row(e, lg, tk, cost(lg, tk), 8.0)
-                        for e, lg, tk in ((0, 100, 400), (0, 300, 600), (1, 200, 900), (1, 512, 1200))]}
+                        for e, lg, tk in ((1, 100, 400), (1, 300, 600), (2, 200, 900), (2, 512, 1200))]}
     # The variant drew a longer tail (its per-token speed would flatter off) and ran its
     # rollout at half of what off would take for those responses.
-    v = {"per_step": [row(0, 50, 200, 0.5, 7.0), row(1, 400, 800, cost(400, 800) / 2, 9.0)]}
+    v = {"per_step": [row(1, 50, 200, 0.5, 7.0), row(2, 400, 800, cost(400, 800) / 2, 9.0)]}
     add_equal_lengths(v, off)
     assert v["rollout_speedup_at_equal_lengths"] == pytest.approx(2.0)
     assert v["step_speedup_at_equal_lengths"] == pytest.approx((9.0 + cost(400, 800)) / (9.0 + cost(400, 800) / 2))
@@ -234,7 +234,7 @@ def test_step_calibration_recovers_the_costs_it_was_given():
     price by batch size is each drafted step's excess over the fit without drafts."""
     import random
 
-    from benchmarks.step_calibration import StepRow, fit_step_costs, overrides
+    from benchmarks.step_calibration import StepRow, fit_step_costs, prior
 
     rng = random.Random(0)
     fixed, per_request, per_token, per_drow = 0.050, 0.0020, 0.0030, 0.0008
@@ -246,16 +246,16 @@ def test_step_calibration_recovers_the_costs_it_was_given():
             rows.append(StepRow(requests, d, drafting, s * (1 + rng.uniform(-1e-4, 1e-4))))
     out = fit_step_costs(rows)
     k = out["keys"]
-    assert k["step_cost_fixed_ms"] == pytest.approx(50.0, rel=1e-2)
-    assert k["step_cost_per_request_ms"] == pytest.approx(2.0, rel=1e-2)
-    assert k["step_cost_per_token_ms"] == pytest.approx(3.0, rel=1e-2)
-    assert k["step_cost_per_drafting_request_ms"] == pytest.approx(0.8, rel=5e-2)
+    assert k["fixed_ms"] == pytest.approx(50.0, rel=1e-2)
+    assert k["per_request_ms"] == pytest.approx(2.0, rel=1e-2)
+    assert k["per_token_ms"] == pytest.approx(3.0, rel=1e-2)
+    assert k["per_drafting_request_ms"] == pytest.approx(0.8, rel=5e-2)
     assert out["relative_rms_error"] < 1e-3 and out["notes"] == []
     # At 32 requests: 16 rows drafting 1 token, 16 drafting 4, 32 drafting 2: 64 drafting rows at
     # 0.8 ms spread over 144 draft tokens at 3 ms.
     top = out["draft_price_by_requests"][-1]
     assert top["requests"] == "32+" and top["ms_per_draft_token"] == pytest.approx(3.0 + 0.8 * 64 / 144, rel=1e-2)
-    assert overrides(k).startswith("histospec.step_cost_fixed_ms=50")
+    assert prior(k).startswith("StepCosts(fixed_ms=50")
 
 
 def test_step_calibration_refuses_steps_that_cannot_identify_the_costs():

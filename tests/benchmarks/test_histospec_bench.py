@@ -68,13 +68,34 @@ def test_bench_json_contract_and_ordering(capsys, tmp_path):
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     m = out["methods"]
-    assert set(m) == {"none", "ngram", "suffix", "histospec_chain", "histospec_tree"}
+    assert set(m) == {"none", "ngram", "suffix", "histospec_chain"}
     for v in m.values():
         for key in ("tokens_per_forward", "mean_accepted_len", "draft_us_per_token"):
             assert isinstance(v[key], (int, float))
     assert m["none"]["tokens_per_forward"] == 1.0
-    assert m["histospec_tree"]["tokens_per_forward"] >= m["histospec_chain"]["tokens_per_forward"] > 1.5
+    assert m["histospec_chain"]["tokens_per_forward"] > 1.5
     assert m["histospec_chain"]["tokens_per_forward"] > m["ngram"]["tokens_per_forward"] >= 1.0
+    # The first epoch alone (no history at all) is reported apart, against the same methods.
+    first = out["first_epoch"]
+    assert set(first) == {"none", "ngram", "suffix", "histospec_chain"} and first["none"]["modelled_wall_speedup"] == 1.0
+    assert first["histospec_chain"]["tokens_per_forward"] > 1.0  # siblings and the rollout's responses draft
+    # Predicted against realised acceptance of the verified positions, per tenth of the prediction.
+    cal = out["calibration"]
+    assert cal["buckets"] and sum(r["tokens"] for r in cal["buckets"]) > 0
+    assert all(abs(r["gap"] - (r["realised"] - r["predicted"])) < 1e-3 for r in cal["buckets"])
+    assert 0.0 <= cal["worst_gap"] <= 1.0 and cal["min_tokens"] > 0
+
+
+def test_quick_ablations_scale_the_rule_against_the_same_clock(capsys):
+    rc = bench.main(["--json", "--prompts", "3", "--n", "2", "--mean-len", "40", "--no-forward-timing"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    rows = out["ablations"]["rule_scaling"]
+    assert {"draft_price_x0.5", "draft_price_x1", "draft_price_x2", "acceptance_prior_0.5"} <= set(rows)
+    rs = out["rule_scaling"]
+    assert rs["best"] in rows and rs["defaults_over_best"] == pytest.approx(
+        out["methods"]["histospec_chain"]["modelled_wall_speedup"] / rs["best_speedup"], abs=1e-3)
+    assert set(out["ablations"]["sources"]) >= {"only_history", "without_global", "all"}
 
 
 def test_bench_reads_trace_files(capsys, tmp_path):
@@ -89,41 +110,33 @@ def test_bench_reads_trace_files(capsys, tmp_path):
 def test_real_smollm2_trace_ordering():
     """On a real GRPO trace of the embedded default (SmolLM2-135M, 4 epochs of chain sums,
     written by `rhymerl train` as traces.jsonl) the drafting methods rank as designed, with
-    drafts priced as the 7B GPU config prices them (at the CPU prior's prices a draft token
-    costs more than a row, so HistoSpec's goodput rule drafts less than suffix, which does not
-    price its drafts)."""
+    drafts priced as the 7B GPU config's engine prices them on H100s."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    from rhymerl.config import load_config
-
     repo = Path(__file__).resolve().parents[2]
-    h = load_config(repo / "configs/qwen2.5-7b-dapo-math-8xh100.yaml", []).histospec
-    prices = ["--step-fixed-ms", str(h.step_cost_fixed_ms), "--step-per-request-ms", str(h.step_cost_per_request_ms),
-              "--step-per-token-ms", str(h.step_cost_per_token_ms),
-              "--step-ramp-requests", str(h.step_cost_draft_ramp_requests)]
     res = subprocess.run([sys.executable, "-m", "benchmarks", "histospec", "--json", "--no-forward-timing",
-                          "--ablations", "none", *prices,
+                          "--ablations", "none", "--costs", "qwen2.5-7b-h100",
                           "--trace", str(repo / "benchmarks/traces/smollm2-chain-sum-grpo.jsonl")],
                          capture_output=True, text=True, cwd=repo, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     m = {k: v["tokens_per_forward"] for k, v in json.loads(res.stdout)["methods"].items()}
-    assert m["histospec_tree"] >= m["histospec_chain"] >= m["suffix"] >= m["ngram"] >= m["none"] == 1.0, m
+    assert m["histospec_chain"] >= m["suffix"] >= m["ngram"] >= m["none"] == 1.0, m
     assert m["histospec_chain"] > 1.5, m
 
 
-def test_each_replayed_epoch_carries_the_acceptance_at_the_configured_weight():
+def test_each_replayed_epoch_carries_the_acceptance_at_its_weight():
     """Replayed as the trainer drafts: each epoch is a rollout, into which the learnt
-    acceptance carries at histospec.acceptance_carry's weight (0: the prior again)."""
-    import dataclasses
-
+    acceptance carries at Drafting.acceptance_carry's weight (0: the prior again)."""
     from rhymerl.config import HistoSpecConfig
+    from rhymerl.histospec.proposer import Drafting
+    from rhymerl.histospec.step_costs import CPU_PRIOR
     epochs = by_epoch(synthetic_trace(num_prompts=3, n=2, epochs=3, mean_len=40, seed=3))
     rates, tpf = {}, {}
     for carry in (0.0, 1.0):
-        m = bench.HistoSpecMethod(dataclasses.replace(HistoSpecConfig(), acceptance_carry=carry), "hs")
+        m = bench.HistoSpecMethod(HistoSpecConfig(), "hs", CPU_PRIOR, Drafting(acceptance_carry=carry))
         seen = rates[carry] = []
         replay_epoch = m.observe
 
@@ -133,26 +146,16 @@ def test_each_replayed_epoch_carries_the_acceptance_at_the_configured_weight():
 
         m.observe = observe
         tpf[carry] = bench.simulate(m, epochs, 8)["tokens_per_forward"]
-    prior = HistoSpecConfig().acceptance_prior
+    prior = m.prop.acceptance.prior
     assert len(rates[0.0]) == 3 and all(r == prior for r in rates[0.0])
     assert rates[1.0][0] == prior and all(r != prior for r in rates[1.0][1:])
     assert tpf[0.0] != tpf[1.0]
 
 
-def test_modelled_step_time_charges_drafts_past_the_free_tokens(capsys):
-    linear = bench.StepTime(0.05, 0.004, 0.002)
-    knee = bench.StepTime(0.05, 0.004, 0.002, free_tokens=6)
-    assert linear(3, 3) == knee(3, 3) == pytest.approx(0.05 + 0.006 * 3)
-    assert knee(1, 6) == pytest.approx(knee(1, 1))  # five free drafts
-    assert knee(1, 8) - knee(1, 6) == pytest.approx(linear(1, 8) - linear(1, 6))
-    assert knee(8, 12) == pytest.approx(linear(8, 12))  # past the knee, every draft is charged
-    assert bench.main(["--json", "--step-free-tokens", "-1", "--no-forward-timing"]) == 2
-    assert "--step-free-tokens must be >= 0" in capsys.readouterr().err
-    ramp = bench.StepTime(0.05, 0.004, 0.002, ramp_requests=4)
-    assert ramp(1, 5) - ramp(1, 1) == pytest.approx((linear(1, 5) - linear(1, 1)) / 4)
-    assert ramp(8, 12) == pytest.approx(linear(8, 12))  # from 4 requests on, the full price
-    assert bench.main(["--json", "--step-ramp-requests", "0", "--no-forward-timing"]) == 2
-    assert "--step-ramp-requests must be >= 1" in capsys.readouterr().err
+def test_modelled_step_time_charges_every_scored_token(capsys):
+    step = bench.StepTime(0.05, 0.004, 0.002)
+    assert step(3, 3) == pytest.approx(0.05 + 0.006 * 3)
+    assert step(1, 8) - step(1, 6) == pytest.approx(2 * 0.002)
     assert bench.main(["--json", "--step-per-token-ms", "0", "--no-forward-timing"]) == 2
     assert "--step-per-token-ms must be > 0" in capsys.readouterr().err
     assert bench.main(["--json", "--step-fixed-ms", "-1", "--no-forward-timing"]) == 2

@@ -25,7 +25,7 @@ def _policies(w, R, N, rng):
     yield StaticPolicy([perm[i::N].tolist() for i in range(N)])
     yield Policy()
     yield PriorityPolicy(rng.uniform(0, 1, R))
-    yield HistoPipePolicy(pred, 0.3, 0.2, COST, straggler_z=0.5, lane_batch=2, lane_fraction=0.5)
+    yield HistoPipePolicy(pred, 0.3, 0.2, COST, straggler_z=0.5)
 
 
 def test_every_request_runs_exactly_once():
@@ -90,7 +90,7 @@ def test_single_request_time_matches_closed_form():
 
 def test_probe_runs_first_and_siblings_inherit_its_length():
     # Two groups; history says group 0 is long, but group 1's probe comes back long.
-    pol = HistoPipePolicy([math.log(1000), math.log(10)], hist_var=1.0, within_var=0.05, cost=COST, lanes=False,
+    pol = HistoPipePolicy([math.log(1000), math.log(10)], hist_var=1.0, within_var=0.05, cost=COST,
                           migrate=False)
     s = Scheduler(1, 1, [0, 0, 0, 1, 1, 1], [5] * 6, pol)
     first = s.next_for(0)
@@ -123,7 +123,7 @@ def test_running_probe_promotes_its_group_before_it_finishes():
     # comes back at 1000; group 1's is still running at 1200 tokens, short of its straggler
     # threshold (~1250): that it has run so long already puts its siblings first.
     def run(report: bool) -> int:
-        pol = HistoPipePolicy([math.log(1000), math.log(800)], hist_var=1.0, within_var=0.05, cost=COST, lanes=False,
+        pol = HistoPipePolicy([math.log(1000), math.log(800)], hist_var=1.0, within_var=0.05, cost=COST,
                               migrate=False)
         s = Scheduler(1, 2, [0, 0, 0, 1, 1, 1], [5] * 6, pol)
         for _ in range(2):
@@ -141,7 +141,7 @@ def test_running_probe_promotes_its_group_before_it_finishes():
 def test_a_probe_reported_every_token_counts_as_one_reported_at_its_rungs():
     # The live driver reports every round, the simulator when the policy asks: same policy.
     def run(every_token: bool):
-        pol = HistoPipePolicy([math.log(300), math.log(200)], hist_var=0.5, within_var=0.2, cost=COST, lanes=False,
+        pol = HistoPipePolicy([math.log(300), math.log(200)], hist_var=0.5, within_var=0.2, cost=COST,
                               migrate=False)
         s = Scheduler(1, 2, [0, 0, 0, 1, 1, 1], [5] * 6, pol)
         for _ in range(2):
@@ -164,7 +164,7 @@ def test_a_probe_reported_every_token_counts_as_one_reported_at_its_rungs():
 
 
 def test_a_probe_moved_past_its_next_rung_reports_at_its_next_token():
-    pol = HistoPipePolicy([math.log(300), math.log(200)], hist_var=0.5, within_var=0.2, cost=COST, lanes=False,
+    pol = HistoPipePolicy([math.log(300), math.log(200)], hist_var=0.5, within_var=0.2, cost=COST,
                           migrate=False)
     s = Scheduler(2, 2, [0, 0, 1, 1], [5] * 4, pol)
     s.started(0, 0)
@@ -196,7 +196,7 @@ def test_simulator_reports_progress_at_every_token_count_the_policy_asks_for():
 def test_queue_empty_a_pair_of_stragglers_splits_onto_the_idle_instance():
     # Two long runners share instance 0 while instances 1 and 2 have run dry: one of them
     # moves (two batches of one), not both (that would leave instance 0 idle for nothing).
-    pol = HistoPipePolicy([math.log(10), math.log(10)], hist_var=0.01, within_var=0.01, cost=COST, lanes=False)
+    pol = HistoPipePolicy([math.log(10), math.log(10)], hist_var=0.01, within_var=0.01, cost=COST)
     s = Scheduler(3, 4, [0, 1], [5, 5], pol)
     for r in (0, 1):
         s.started(r, 0)
@@ -243,15 +243,3 @@ def test_zero_correlation_not_much_worse_than_least_loaded():
     hp = run_scheduler("histopipe", w, 16, cost, cfg)
     ll = run_scheduler("least_loaded", w, 16, cost, cfg)
     assert hp.makespan_s <= 1.05 * ll.makespan_s
-
-
-def test_keys_the_dispatch_mode_does_not_read_are_reported():
-    from rhymerl.histopipe.live import unused_keys
-
-    assert unused_keys(HistoPipeConfig()) == []
-    assert unused_keys(HistoPipeConfig(num_groups=8)) == ["histopipe.num_groups"]  # live: the planner is unused
-    assert unused_keys(HistoPipeConfig(live=False, num_groups=8, lanes=True)) == ["histopipe.lanes"]
-    assert unused_keys(HistoPipeConfig(lane_batch=4)) == ["histopipe.lane_batch"]  # lanes are off
-    assert unused_keys(HistoPipeConfig(lanes=True, lane_batch=4)) == []
-    assert unused_keys(HistoPipeConfig(live=False, lane_batch=4)) == ["histopipe.lane_batch"]
-    assert unused_keys(HistoPipeConfig(enabled=False, probe=False)) == ["histopipe.probe"]

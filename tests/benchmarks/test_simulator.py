@@ -49,9 +49,18 @@ def test_trace_file_input(tmp_path, capsys):
                                         prompt_token_ids=[2] * (10 + p)))
     path = tmp_path / "trace.jsonl"
     write_trace(path, recs)
-    res, err = _results(capsys, ["--gpus", "8", "--tp", "2", "--trace", str(path), "--json", "--prompts-per-instance", "3"])
-    assert {r["scheduler"] for r in res} == set(SCHEDULERS)
+    assert main(["--gpus", "8", "--tp", "2", "--trace", str(path), "--json", "--prompts-per-instance", "3"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert {r["scheduler"] for r in data["results"]} == set(SCHEDULERS)
     assert "tiled" in err  # 6 prompts tiled up to 4 instances x 3
+    # The projection's speculation is HistoSpec replayed on this trace, not the shipped profile.
+    assert "HistoSpec replay of trace.jsonl" in data["projection"]["speculation"]
+    one = tmp_path / "one.jsonl"
+    write_trace(one, [r for r in recs if r.epoch == 0])
+    assert main(["--gpus", "8", "--tp", "2", "--trace", str(one), "--json", "--prompts-per-instance", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "has one epoch" in err and "projection" not in json.loads(out)
 
 
 def test_user_errors(tmp_path, capsys):
@@ -91,13 +100,19 @@ def test_outlier_genie_told_every_length_schedules_like_longest_first():
 
     cost, _, _ = calibration.load(None)
     w = synthetic(24, n=4, seed=3)
-    cfg = dataclasses.replace(HistoPipeConfig(), migrate=False)
+    cfg = HistoPipeConfig()
     pr = trained_predictor(w, cfg)
     args = (cost, 3, w.lengths, w.prompt_lens(), w.group_of())
-    told_all = outlier_genie(w, cost, cfg, pr, factor=0.0)
+
+    def without_migration(pol):
+        pol.migrate = False
+        return pol
+
+    told_all = without_migration(outlier_genie(w, cost, cfg, pr, factor=0.0))
     assert len(told_all.known) == w.num_requests
     by_length = simulate(*args, PriorityPolicy(w.lengths.tolist()))
     assert simulate(*args, told_all).makespan_s == pytest.approx(by_length.makespan_s)
-    told_none = outlier_genie(w, cost, cfg, pr, factor=1e9)
+    told_none = without_migration(outlier_genie(w, cost, cfg, pr, factor=1e9))
     assert not told_none.known
-    assert simulate(*args, told_none).makespan_s == pytest.approx(simulate(*args, histopipe_policy(w, cost, cfg, pr)).makespan_s)
+    plain = without_migration(histopipe_policy(w, cost, cfg, pr))
+    assert simulate(*args, told_none).makespan_s == pytest.approx(simulate(*args, plain).makespan_s)

@@ -6,6 +6,7 @@ import benchmarks
 from rhymerl.histopipe import calibration
 from benchmarks.simulate import spec_profile
 from benchmarks.simulate.spec_profile import SpecProfile
+from rhymerl.histospec.step_costs import roofline_costs
 
 pytestmark = pytest.mark.cpu
 
@@ -15,10 +16,8 @@ def test_replay_measures_speed_by_position_and_the_proposers_cpu_time():
     p = spec_profile.measure(trace)
     assert p.edges[0] == 0 and len(p.tokens_per_forward) == len(p.edges)
     # Chain-sum answers repeat across epochs: drafts are accepted, so a forward emits more than
-    # one token. The CPU prior prices a draft token at 1.44 ms whatever the batch (the
-    # one-thread prior it replaced charged 0.9 ms at one request), so this replay drafts only
-    # its surest tokens: 1.05 tokens per forward, where that prior gave 1.23. The test below
-    # replays the same trace at a GPU's prices.
+    # one token. At the CPU prior's prices this replay drafts only its surest tokens; the test
+    # below replays the same trace at a GPU's prices.
     assert p.tokens_per_forward[0] > 1.02 and p.draft_tokens_per_forward[0] > 0
     assert p.proposer_s_per_request > 0 and "per request per step" in p.source
     again = SpecProfile.from_dict(p.to_dict())
@@ -42,9 +41,9 @@ def test_profile_for_an_engine_prices_drafts_at_its_costs_and_regenerates_the_fi
 
     trace = Path(benchmarks.__file__).with_name("traces") / "smollm2-chain-sum-grpo.jsonl"
     cost, _, _ = calibration.load(None)
-    prior = cost.goodput_prior(4096)
-    assert prior["step_cost_fixed_ms"] == pytest.approx(1e3 * cost.a, abs=1e-3)
-    assert prior["step_cost_per_request_ms"] == pytest.approx(1e3 * cost.c * 4096, abs=1e-4)
+    prior = roofline_costs(cost, 4096)
+    assert prior.fixed_ms == pytest.approx(1e3 * cost.a, abs=1e-3)
+    assert prior.per_request_ms == pytest.approx(1e3 * cost.c * 4096, abs=1e-4)
     gpu = spec_profile.measure_for_engine(trace, cost, 4096, repeats=2)
     cpu = spec_profile.measure(trace)
     # A GPU's draft token is cheap beside a row: the planner drafts more, and more tokens land.

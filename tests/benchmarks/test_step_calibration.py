@@ -22,10 +22,9 @@ def test_calibration_measures_drafting_steps_and_prints_the_prior():
     # Every grid point decoded: drafted steps at both sizes, timed and fitted.
     assert out["steps_with_drafts"] >= 8 and out["steps"] > out["steps_with_drafts"]
     assert {b["requests"] for b in out["draft_price_by_requests"]} == {"1-1", "2-3"}
-    assert set(out["keys"]) == {"step_cost_fixed_ms", "step_cost_per_request_ms", "step_cost_per_token_ms",
-                                "step_cost_per_drafting_request_ms"}
-    assert out["keys"]["step_cost_fixed_ms"] > 0 and out["keys"]["step_cost_per_token_ms"] > 0
-    assert "prior: histospec.step_cost_fixed_ms=" in res.stderr
+    assert set(out["keys"]) == {"fixed_ms", "per_request_ms", "per_token_ms", "per_drafting_request_ms"}
+    assert out["keys"]["fixed_ms"] > 0 and out["keys"]["per_token_ms"] > 0
+    assert "prior: StepCosts(fixed_ms=" in res.stderr
 
 
 def test_calibration_refuses_a_single_batch_size():

@@ -10,8 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from rhymerl.histospec.acceptance import (_sample, accepted_prefix, accepted_tree_path, target_probs,
-                                          verify_chain, verify_tree)
+from rhymerl.histospec.acceptance import _sample, accepted_prefix, target_probs, verify_chain
 
 pytestmark = pytest.mark.cpu
 
@@ -41,38 +40,12 @@ def chain_drafter(prefix):
     return [(s + 3 * i) % V for i in range(3)]
 
 
-def tree_drafter(prefix):
-    s = sum(prefix) + 5 * len(prefix)
-    a, b = s % V, (s + 1) % V
-    c, d, e = (s + 2) % V, (s + 4) % V, (s + 3) % V
-    return [a, b, c, d, e], [-1, -1, 0, 0, 1]
-
-
 def spec_sample_chain(rng, temperature, top_p, verify=verify_chain):
     gen = []
     while len(gen) < K:
         draft = chain_drafter(gen)
         rows = np.stack([p_next(gen + draft[:i], temperature, top_p) for i in range(len(draft) + 1)])
         _, out = verify(draft, rows, rng, greedy=temperature == 0)
-        gen += out
-    return tuple(gen[:K])
-
-
-def _path(tokens, parents, i):
-    path = []
-    while i != -1:
-        path.append(tokens[i])
-        i = parents[i]
-    return path[::-1]
-
-
-def spec_sample_tree(rng, temperature, top_p, verify=verify_tree):
-    gen = []
-    while len(gen) < K:
-        toks, parents = tree_drafter(gen)
-        rows = [p_next(gen, temperature, top_p)] + [p_next(gen + _path(toks, parents, i), temperature, top_p)
-                                                    for i in range(len(toks))]
-        _, out = verify(toks, parents, np.stack(rows), rng, greedy=temperature == 0)
         gen += out
     return tuple(gen[:K])
 
@@ -108,13 +81,6 @@ def test_chain_emits_target_distribution(temperature, top_p):
     assert chi2_consistent(samples, exact_joint(temperature, top_p))
 
 
-@pytest.mark.parametrize("temperature,top_p", SETTINGS)
-def test_tree_emits_target_distribution(temperature, top_p):
-    rng = np.random.default_rng(2)
-    samples = [spec_sample_tree(rng, temperature, top_p) for _ in range(N)]
-    assert chi2_consistent(samples, exact_joint(temperature, top_p))
-
-
 def wrong_verify_chain(draft, probs, rng, greedy=False):
     """Deliberately wrong: on rejection resample from p *without* removing the draft token."""
     out = []
@@ -126,38 +92,18 @@ def wrong_verify_chain(draft, probs, rng, greedy=False):
     return len(draft), out + [_sample(probs[len(draft)], rng)]
 
 
-def wrong_verify_tree(tokens, parents, probs, rng, greedy=False):
-    """Deliberately wrong: a rejected child keeps its mass in the residual."""
-    node, out = -1, []
-    while True:
-        p = probs[node + 1]
-        kids = [i for i, par in enumerate(parents) if par == node]
-        nxt = next((k for k in kids if rng.random() < p[tokens[k]]), None)
-        if nxt is None:
-            return [], out + [_sample(p, rng)]
-        out.append(tokens[nxt])
-        node = nxt
-
-
 def test_wrong_chain_rule_is_caught():
     rng = np.random.default_rng(3)
     samples = [spec_sample_chain(rng, 1.0, 1.0, verify=wrong_verify_chain) for _ in range(N)]
     assert not chi2_consistent(samples, exact_joint(1.0, 1.0))
 
 
-def test_wrong_tree_rule_is_caught():
-    rng = np.random.default_rng(4)
-    samples = [spec_sample_tree(rng, 1.0, 1.0, verify=wrong_verify_tree) for _ in range(N)]
-    assert not chi2_consistent(samples, exact_joint(1.0, 1.0))
-
-
-def test_greedy_chain_and_tree_emit_argmax_sequence():
+def test_greedy_chain_emits_argmax_sequence():
     rng = np.random.default_rng(0)
     expect = []
     for _ in range(K):
         expect.append(int(np.argmax(LOGITS[len(expect), expect[-1] if expect else V])))
     assert spec_sample_chain(rng, 0.0, 1.0) == tuple(expect)
-    assert spec_sample_tree(rng, 0.0, 1.0) == tuple(expect)
 
 
 def test_chain_accepts_draft_of_certain_target():
@@ -183,7 +129,3 @@ def test_target_probs_top_p_top_k():
 def test_replay_helpers():
     assert accepted_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert accepted_prefix([], [1]) == 0
-    toks, parents = [1, 7, 2, 8], [-1, -1, 0, 1]
-    assert accepted_tree_path(toks, parents, [7, 8, 9]) == 2
-    assert accepted_tree_path(toks, parents, [1, 2]) == 2
-    assert accepted_tree_path(toks, parents, [3]) == 0

@@ -25,20 +25,15 @@ def test_counts_match_brute_force_batch_and_online(alphabet):
     seqs = [rng.integers(0, alphabet, size=int(rng.integers(1, 60))).tolist() for _ in range(6)]
     sam = SuffixAutomaton()
     for s in seqs[:-1]:
-        sam.add(s, weight=2.0)
+        sam.add(s)
     sam.start_sequence()
     for t in seqs[-1]:
-        sam.push(t, weight=0.5)
+        sam.push(t)
     occ = brute_counts(seqs, 6)
-    wocc = Counter()
-    for k, s in enumerate(seqs):
-        for sub, c in brute_counts([s], 6).items():
-            wocc[sub] += c * (2.0 if k < len(seqs) - 1 else 0.5)
     for sub, n in occ.items():
         st, length = sam.match(sub)
         assert length == len(sub)
         assert sam.cnt[st] == n
-        assert sam.wcnt[st] == pytest.approx(wocc[sub])
     assert sam.num_states <= 2 * sum(len(s) for s in seqs) + 1
 
 
@@ -59,21 +54,11 @@ def test_children_probabilities_are_empirical_continuations():
     for r in ([1, 2, 3], [1, 2, 3], [1, 2, 4], [1, 2]):
         sam.add(r)
     st, _ = sam.match([1, 2])
-    kids = {c: p for c, _, p, _ in sam.children(st)}
+    kids = {c: p for c, _, p in sam.children(st)}
     # 4 occurrences of "1 2": followed by 3 twice, 4 once, end of response once.
     assert kids == {3: 0.5, 4: 0.25}
     tok, _, p = sam.best_child(st)
     assert (tok, p) == (3, 0.5)
-
-
-def test_reward_weighted_best_child():
-    sam = SuffixAutomaton()
-    sam.add([5, 6, 7], weight=0.6)
-    sam.add([5, 6, 7], weight=0.6)
-    sam.add([5, 6, 8], weight=1.5)
-    st, _ = sam.match([5, 6])
-    assert sam.best_child(st)[0] == 7  # frequency: 2 vs 1
-    assert sam.best_child(st, reward=True)[0] == 8  # weighted: 1.2 vs 1.5
 
 
 def test_prompt_key_is_xxh64_of_int32_le_and_stable():
@@ -100,7 +85,7 @@ def test_frozen_copy_answers_like_the_growing_index():
     rng = np.random.default_rng(7)
     sam = SuffixAutomaton()
     for _ in range(5):
-        sam.add(rng.integers(0, 6, size=50).tolist(), weight=float(rng.random()))
+        sam.add(rng.integers(0, 6, size=50).tolist())
     frozen = sam.freeze()
     assert frozen.num_states == sam.num_states and frozen.num_tokens == sam.num_tokens
     for _ in range(100):
@@ -108,8 +93,7 @@ def test_frozen_copy_answers_like_the_growing_index():
         st, length = sam.match(q)
         assert frozen.match(q) == (st, length)
         assert frozen.children(st) == sam.children(st)
-        for reward in (False, True):
-            assert frozen.best_child(st, reward) == sam.best_child(st, reward)
+        assert frozen.best_child(st) == sam.best_child(st)
     assert frozen.memory_bytes() < sam.memory_bytes() / 2
 
 
@@ -117,15 +101,15 @@ def test_bulk_build_counts_equal_online_counts():
     rng = np.random.default_rng(9)
     seqs = [rng.integers(0, 4, size=40).tolist() for _ in range(4)]
     online, bulk = SuffixAutomaton(), SuffixAutomaton(online=False)
-    for k, s in enumerate(seqs):
-        online.add(s, weight=k + 0.5)
-        bulk.add(s, weight=k + 0.5)
+    for s in seqs:
+        online.add(s)
+        bulk.add(s)
     a, b = online.freeze(), bulk.freeze()
-    assert list(a.cnt) == list(b.cnt) and list(a.wcnt) == pytest.approx(list(b.wcnt))
+    assert list(a.cnt) == list(b.cnt)
 
 
 def _columns(idx):
-    return {k: list(getattr(idx, k)) for k in ("ln", "link", "cnt", "wcnt", "off", "etok", "edst")}
+    return {k: list(getattr(idx, k)) for k in ("ln", "link", "cnt", "off", "etok", "edst")}
 
 
 @pytest.mark.parametrize("alphabet", [2, 3, 7, 40000])
@@ -140,36 +124,30 @@ def test_compiled_builder_builds_the_python_automaton(alphabet):
         if trial % 3 == 0:  # GRPO-like: near-copies of one response
             base = rng.integers(0, alphabet, size=60)
             seqs = [np.where(rng.random(60) < 0.1, rng.integers(0, alphabet, size=60), base).tolist() for _ in range(6)]
-        weights = rng.random(len(seqs)) + 0.5
         ref = SuffixAutomaton(online=False)
-        for s, w in zip(seqs, weights.tolist()):
-            ref.add([index.START] + s, w)
+        for s in seqs:
+            ref.add([index.START] + s)
         want = ref.freeze()
-        got = index.build_frozen(seqs, weights)
-        assert _columns(got) == _columns(want)  # same states, ids, edge order; floats bit-identical
+        got = index.build_frozen(seqs)
+        assert _columns(got) == _columns(want)  # same states, ids, edge order
         assert (got.num_tokens, got.num_seqs) == (want.num_tokens, want.num_seqs)
         for _ in range(20):
             q = [index.START] + rng.integers(0, alphabet, size=int(rng.integers(0, 6))).tolist()
             st, _ = ref.match(q)
             assert got.match(q) == ref.match(q)
             assert got.children(st) == ref.children(st)
-            for reward in (False, True):
-                assert got.best_child(st, reward) == ref.best_child(st, reward)
+            assert got.best_child(st) == ref.best_child(st)
 
 
-def test_unweighted_index_shares_its_count_column_and_stays_small():
+def test_index_stays_small():
     from rhymerl.histospec import index
 
     rng = np.random.default_rng(3)
     base = rng.integers(0, 49152, size=300)
     seqs = [np.where(rng.random(300) < 0.15, rng.integers(0, 49152, size=300), base) for _ in range(16)]
     idx = index.build_frozen(seqs)
-    assert idx.wcnt is idx.cnt
     assert idx.memory_bytes() / idx.num_tokens <= 40
-    assert index.build_frozen(seqs, [1.0] * 15 + [1.5]).wcnt is not None
     assert index.build_frozen([]) is None
-    with pytest.raises(ValueError, match="weights"):
-        index.build_frozen(seqs, [1.0])
 
 
 def test_incremental_match_on_a_frozen_index_equals_the_growing_one():
@@ -214,17 +192,17 @@ def test_compiled_drafting_reads_equal_the_python_ones(alphabet, monkeypatch):
         for n in range(0, len(gen) + 1, 3):
             m.advance(gen[:n], window)
             out.append((m.state, m.length))
-            for min_match, limit, conf_limit, min_prob, conf in limits:
-                cand = _chain_from(m, min_match, limit, conf_limit, min_prob, conf, compiled)
+            for min_match, limit, min_prob in limits:
+                cand = _chain_from(m, min_match, limit, min_prob, compiled)
                 out.append(cand)
         return out
 
-    def _chain_from(m, min_match, limit, conf_limit, min_prob, conf, compiled):
+    def _chain_from(m, min_match, limit, min_prob, compiled):
         if compiled:
-            return index._samc.chain(frozen.compiled(), m.state, m.length, min_match, limit, conf_limit, min_prob, conf)
-        return _python_chain(frozen, _walk, m.state, m.length, min_match, limit, conf_limit, min_prob, False, conf)
+            return index._samc.chain(frozen.compiled(), m.state, m.length, min_match, limit, min_prob)
+        return _python_chain(frozen, _walk, m.state, m.length, limit, min_prob, min_match)
 
-    limits = [(1, 8, 8, 0.0, 1.0), (2, 4, 16, 0.05, 0.6), (3, 2, 32, 0.3, 0.9), (1, 64, 64, 1e-9, 1.0)]
+    limits = [(1, 8, 0.0), (2, 16, 0.05), (3, 32, 0.3), (1, 64, 1e-9)]
     for trial in range(12):
         src = seqs[int(rng.integers(0, len(seqs)))]
         cut = int(rng.integers(0, len(src)))
@@ -243,7 +221,7 @@ def test_compiled_reads_refuse_what_is_not_an_index():
     with pytest.raises(IndexError):
         index._samc.advance(view, 0, 0, [1, 2], 0, 9, 8, index.START)
     with pytest.raises(IndexError):
-        index._samc.chain(view, frozen.num_states, 1, 1, 8, 8, 0.0, 1.0)
+        index._samc.chain(view, frozen.num_states, 1, 1, 8, 0.0)
     with pytest.raises(TypeError):
         index._samc.view(frozen.ln, frozen.link, frozen.cnt, frozen.off, frozen.etok, np.zeros(3))
     with pytest.raises(ValueError):
@@ -282,9 +260,9 @@ def test_compiled_group_index_grows_the_python_automaton(alphabet):
                 a.advance(gen, 7)
                 b.advance(gen, 7)
                 assert (a.state, a.length) == (b.state, b.length)
-                for limit, conf_limit, min_prob in ((8, 8, 0.0), (2, 16, 0.2)):
-                    want = _walk_group(py, a.state, limit, conf_limit, min_prob, False, 0.6)
-                    got = index._samc.chain(c.handle, b.state, max(1, b.length), 1, limit, conf_limit, min_prob, 0.6)
+                for limit, min_prob in ((8, 0.0), (2, 0.2), (16, 0.2)):
+                    want = _walk_group(py, a.state, limit, min_prob)
+                    got = index._samc.chain(c.handle, b.state, max(1, b.length), 1, limit, min_prob)
                     if want[0]:
                         assert got is not None and got[:3] == want
         states, edges = c.columns()
@@ -303,4 +281,4 @@ def test_compiled_group_index_refuses_bad_input():
         c.push_at(0, [1 << 40])
     with pytest.raises(IndexError):
         index._samc.advance(c.handle, 0, 0, [1], 0, 5, 7, index.START)
-    assert index._samc.chain(c.handle, 0, 0, 1, 8, 8, 0.0, 1.0) is None
+    assert index._samc.chain(c.handle, 0, 0, 1, 8, 0.0) is None

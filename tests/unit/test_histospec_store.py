@@ -4,6 +4,7 @@ import pytest
 
 from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec import DraftProposer, HistoryError, HistoryStore
+from rhymerl.histospec.step_costs import StepCosts
 
 pytestmark = pytest.mark.cpu
 
@@ -76,11 +77,10 @@ def test_save_load_roundtrip_gives_identical_drafts(tmp_path):
         assert t.responses(k) == s.responses(k)
     # Drafts priced as a GPU's (cheap beside a step), so the plan follows the stored path
     # wherever it leads, whatever the CPU prior's prices.
-    c = cfg(start_after=0, min_match=1, step_cost_fixed_ms=10.0, step_cost_per_request_ms=0.1,
-            step_cost_per_token_ms=0.01, step_cost_per_drafting_request_ms=0.0)
+    gpu = StepCosts(fixed_ms=10.0, per_request_ms=0.1, per_token_ms=0.01)
     drafts = []
     for store in (s, t):
-        p = DraftProposer(store, c)
+        p = DraftProposer(store, s.cfg, gpu)
         p.begin("r", 11)
         drafts.append(p.propose("r", [1, 2, 3], 8))
     assert drafts[0] == drafts[1] and drafts[0].tokens[:4] == [4, 5, 6, 7]
