@@ -1,8 +1,4 @@
-"""`python -m rhymerl train|export|report|slurm ...` (benchmarks: `python -m benchmarks`, from a checkout).
-
-Subcommands are imported lazily so `--help` and config errors answer in milliseconds
-without importing torch or vLLM.
-"""
+"""`python -m rhymerl train|export|report|slurm ...`; subcommands import lazily (no torch for `--help`)."""
 
 from __future__ import annotations
 

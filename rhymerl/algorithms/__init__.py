@@ -1,27 +1,10 @@
 """GRPO/DAPO advantages (pure NumPy) and the clipped policy loss (torch, on log-probs)."""
 
-from rhymerl.algorithms.advantages import (
-    DynamicSamplingBuffer,
-    GroupFilter,
-    compute_advantages,
-    filter_groups,
-    group_advantages,
-    overlong_penalty,
-    shape_overlong,
-)
+from rhymerl.algorithms.advantages import (DynamicSamplingBuffer, GroupFilter, compute_advantages, filter_groups,
+                                           group_advantages, overlong_penalty, shape_overlong)
 
-__all__ = [
-    "DynamicSamplingBuffer",
-    "GroupFilter",
-    "compute_advantages",
-    "filter_groups",
-    "group_advantages",
-    "overlong_penalty",
-    "shape_overlong",
-    "policy_loss",
-    "logprob_mismatch",
-    "update_gain",
-]
+__all__ = ["DynamicSamplingBuffer", "GroupFilter", "compute_advantages", "filter_groups", "group_advantages",
+           "overlong_penalty", "shape_overlong", "policy_loss", "logprob_mismatch", "update_gain"]
 
 
 def __getattr__(name):

@@ -1,8 +1,4 @@
-"""Advantages for GRPO/DAPO on verifiable rewards: pure NumPy, no torch.
-
-A *group* is the ``rollout.n`` responses sampled for one prompt. Rewards are per
-response; the trainer broadcasts a response's advantage over its tokens.
-"""
+"""Advantages for GRPO/DAPO on per-response verifiable rewards (pure NumPy); a group is one prompt's."""
 
 from __future__ import annotations
 
@@ -25,23 +21,11 @@ def _group_index(group_ids: Sequence[Hashable]) -> tuple[np.ndarray, int]:
     return idx, len(seen)
 
 
-def group_advantages(
-    rewards: Sequence[float] | np.ndarray,
-    group_ids: Sequence[Hashable] | None = None,
-    *,
-    scale_by_std: bool = True,
-    eps: float = 1e-6,
-) -> np.ndarray:
-    """GRPO advantages: ``(r - mean_group) / (std_group + eps)`` per response.
-
-    ``rewards`` is flat with ``group_ids`` (one id per response; groups may differ in
-    size and need not be contiguous), or a 2-D ``[groups, n]`` array with
-    ``group_ids=None``. The std is the unbiased one (ddof=1), as in DeepSeekMath's
-    GRPO and verl/TRL. ``scale_by_std=False`` only centres (Dr. GRPO), which removes
-    the bias toward groups with small reward spread. A group of one response has no
-    baseline to compare with and gets advantage 0, and a group
-    whose rewards are all equal gets exactly 0. Returns float64 of the input's shape.
-    """
+def group_advantages(rewards: Sequence[float] | np.ndarray, group_ids: Sequence[Hashable] | None = None, *,
+                     scale_by_std: bool = True, eps: float = 1e-6) -> np.ndarray:
+    """GRPO advantages ``(r - mean_group) / (std_group + eps)`` (ddof=1), float64 of the input's shape.
+    ``rewards`` is flat with ``group_ids``, or 2-D ``[groups, n]`` with None. ``scale_by_std=False`` only
+    centres (Dr. GRPO). Singleton groups and groups of equal rewards get exactly 0."""
     r = np.asarray(rewards, dtype=np.float64)
     if group_ids is None:
         if r.ndim != 2:
@@ -64,8 +48,7 @@ def group_advantages(
         std = np.sqrt(sq / np.maximum(count - 1.0, 1.0))
         out = centred / (std[idx] + eps)
     out[count[idx] < 2] = 0.0
-    # A group whose rewards are all equal has advantage exactly 0 (its mean can differ from
-    # them in the last bit), which lets the training step leave its rows out (rows_without_loss).
+    # Exactly 0 for equal rewards (the mean can differ in the last bit), so training can skip the rows.
     lo = np.full(g, np.inf)
     hi = np.full(g, -np.inf)
     np.minimum.at(lo, idx, r)
@@ -74,15 +57,9 @@ def group_advantages(
     return out
 
 
-def overlong_penalty(
-    lengths: Sequence[int] | np.ndarray, max_tokens: int, buffer: int, penalty: float = 1.0
-) -> np.ndarray:
-    """DAPO's soft overlong punishment (a reward term, <= 0) per response.
-
-    With ``L = max_tokens`` and ``B = buffer``: 0 for ``len <= L - B``, falling
-    linearly to ``-penalty`` at ``len = L`` (``-penalty`` beyond, for responses
-    that a caller truncated elsewhere). ``buffer = 0`` disables it.
-    """
+def overlong_penalty(lengths: Sequence[int] | np.ndarray, max_tokens: int, buffer: int,
+                     penalty: float = 1.0) -> np.ndarray:
+    """DAPO's soft overlong punishment: 0 up to ``max_tokens - buffer``, then linearly down to ``-penalty``."""
     n = np.asarray(lengths, dtype=np.float64)
     if buffer <= 0:
         return np.zeros_like(n)
@@ -92,35 +69,19 @@ def overlong_penalty(
     return -penalty * np.clip((n - start) / buffer, 0.0, 1.0)
 
 
-def shape_overlong(
-    rewards: Sequence[float] | np.ndarray,
-    lengths: Sequence[int] | np.ndarray,
-    max_tokens: int,
-    buffer: int,
-    penalty: float = 1.0,
-) -> np.ndarray:
+def shape_overlong(rewards: Sequence[float] | np.ndarray, lengths: Sequence[int] | np.ndarray, max_tokens: int,
+                   buffer: int, penalty: float = 1.0) -> np.ndarray:
     """``rewards + overlong_penalty(lengths, ...)``."""
     r = np.asarray(rewards, dtype=np.float64)
     return r + overlong_penalty(lengths, max_tokens, buffer, penalty)
 
 
-def compute_advantages(
-    rewards: Sequence[float] | np.ndarray,
-    group_ids: Sequence[Hashable],
-    lengths: Sequence[int] | np.ndarray,
-    cfg: "AlgorithmConfig",
-    max_tokens: int,
-    *,
-    eps: float = 1e-6,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The configured pipeline: overlong shaping (``cfg.overlong_buffer``), then GRPO
-    normalisation (``cfg.scale_by_std``). Returns ``(advantages, shaped_rewards)``;
-    log the raw rewards for accuracy, the shaped ones are what the policy optimises."""
+def compute_advantages(rewards: Sequence[float] | np.ndarray, group_ids: Sequence[Hashable],
+                       lengths: Sequence[int] | np.ndarray, cfg: "AlgorithmConfig", max_tokens: int, *,
+                       eps: float = 1e-6) -> tuple[np.ndarray, np.ndarray]:
+    """Overlong shaping, then GRPO normalisation. Returns ``(advantages, shaped_rewards)``."""
     shaped = shape_overlong(rewards, lengths, max_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
     return group_advantages(shaped, group_ids, scale_by_std=cfg.scale_by_std, eps=eps), shaped
-
-
-# --------------------------------------------------------------------------- dynamic sampling
 
 
 @dataclass
@@ -130,7 +91,7 @@ class GroupFilter:
     keep_mask: np.ndarray  # per response, True where its group is kept
     kept_groups: list[Hashable]
     dropped_groups: list[Hashable]
-    # Dropped groups by their common reward (e.g. {1.0: 3, 0.0: 5}): all-solved vs all-failed.
+    # Dropped groups by their common reward: all-solved vs all-failed.
     dropped_by_reward: dict[float, int] = field(default_factory=dict)
 
     @property
@@ -138,14 +99,9 @@ class GroupFilter:
         return len(self.dropped_groups)
 
 
-def filter_groups(
-    rewards: Sequence[float] | np.ndarray, group_ids: Sequence[Hashable], *, tol: float = 0.0
-) -> GroupFilter:
-    """DAPO dynamic sampling: drop groups whose rewards are all equal (within ``tol``).
-
-    Such groups have zero GRPO advantage for every response, so they add no gradient
-    but still dilute the token-mean loss.
-    """
+def filter_groups(rewards: Sequence[float] | np.ndarray, group_ids: Sequence[Hashable], *,
+                  tol: float = 0.0) -> GroupFilter:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (within ``tol``): no gradient."""
     r = np.asarray(rewards, dtype=np.float64)
     if r.ndim != 1 or len(group_ids) != r.shape[0]:
         raise ValueError(f"rewards ({r.shape}) and group_ids ({len(group_ids)}) must be flat and equally long")
@@ -162,32 +118,12 @@ def filter_groups(
     for j in np.flatnonzero(~keep_group):
         key = float(lo[j])
         dropped_by[key] = dropped_by.get(key, 0) + 1
-    return GroupFilter(
-        keep_mask=keep_group[idx],
-        kept_groups=[order[j] for j in range(g) if keep_group[j]],
-        dropped_groups=[order[j] for j in range(g) if not keep_group[j]],
-        dropped_by_reward=dropped_by,
-    )
+    return GroupFilter(keep_mask=keep_group[idx], kept_groups=[order[j] for j in range(g) if keep_group[j]],
+                       dropped_groups=[order[j] for j in range(g) if not keep_group[j]], dropped_by_reward=dropped_by)
 
 
 class DynamicSamplingBuffer:
-    """Accumulates informative groups over refill rounds until ``target_groups``.
-
-    Use per RL step::
-
-        buf.begin_step()
-        while not buf.ready:
-            groups, rewards = rollout(...)      # one rollout batch
-            buf.add(groups, rewards)
-        batch = buf.take()
-
-    A *group* is any picklable payload (the trainer's record of one prompt and its
-    responses); ``rewards`` holds the group's per-response rewards. ``ready`` turns
-    true when enough groups were kept or after ``max_rounds`` rollout batches in this
-    step (then ``take`` returns fewer groups rather than stalling the run).
-    Overflow beyond ``target_groups`` is discarded by default: keeping it for the
-    next step would train on responses from an older policy (off-policy).
-    """
+    """Gathers informative groups until ``target_groups`` or ``max_rounds``; drops overflow (off-policy next step)."""
 
     def __init__(self, target_groups: int, max_rounds: int, *, keep_overflow: bool = False, tol: float = 0.0):
         if target_groups < 1:
@@ -207,8 +143,7 @@ class DynamicSamplingBuffer:
 
     @classmethod
     def from_config(cls, cfg: "AlgorithmConfig", target_groups: int) -> "DynamicSamplingBuffer":
-        """``target_groups`` is the step's prompt count; the first rollout batch plus
-        up to ``cfg.max_refill_rounds`` refills are drawn."""
+        """``target_groups``: the step's prompt count; up to ``1 + cfg.max_refill_rounds`` batches are drawn."""
         return cls(target_groups, 1 + cfg.max_refill_rounds)
 
     def __len__(self) -> int:
@@ -253,26 +188,16 @@ class DynamicSamplingBuffer:
         if len(batch) < self.target_groups:
             self.totals["short_steps"] += 1
         seen = self._step_seen
-        self.last_step = {
-            "rounds": float(self._rounds),
-            "kept_groups": float(len(batch)),
-            "dropped_groups": float(self._step_dropped),
-            "drop_fraction": float(self._step_dropped) / seen if seen else 0.0,
-        }
+        self.last_step = {"rounds": float(self._rounds), "kept_groups": float(len(batch)),
+                          "dropped_groups": float(self._step_dropped),
+                          "drop_fraction": float(self._step_dropped) / seen if seen else 0.0}
         self.begin_step()
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "target_groups": self.target_groups,
-            "max_rounds": self.max_rounds,
-            "keep_overflow": self.keep_overflow,
-            "groups": copy.deepcopy(self._groups),
-            "rounds": self._rounds,
-            "step_seen": self._step_seen,
-            "step_dropped": self._step_dropped,
-            "totals": dict(self.totals),
-        }
+        return {"target_groups": self.target_groups, "max_rounds": self.max_rounds, "keep_overflow": self.keep_overflow,
+                "groups": copy.deepcopy(self._groups), "rounds": self._rounds, "step_seen": self._step_seen,
+                "step_dropped": self._step_dropped, "totals": dict(self.totals)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("target_groups", "max_rounds"):

@@ -1,10 +1,4 @@
-"""Clipped policy-gradient loss (GRPO / DAPO) on per-token log-probs.
-
-Everything takes log-probs of the sampled tokens, never logits, so that the
-Megatron backend (vocab-parallel log-softmax across TP ranks) and the DeepSpeed
-backend (full logits) share one loss. Shapes are ``[batch, tokens]`` padded, with
-``mask`` 1 on response tokens and 0 on prompt/padding.
-"""
+"""Clipped policy-gradient loss (GRPO / DAPO) on sampled tokens' log-probs, never logits (both backends)."""
 
 from __future__ import annotations
 
@@ -19,42 +13,13 @@ def _masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (x * mask).sum()
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    cfg: AlgorithmConfig,
-    ref_logprobs: Optional[torch.Tensor] = None,
-    *,
-    num_tokens: Optional[float] = None,
-    num_sequences: Optional[float] = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-style clipped objective with DAPO's clip-higher, as a loss to minimise.
-
-    Per token ``l = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` with
-    ``r = exp(logprobs - old_logprobs)``, plus ``kl_coef * k3(ref || current)``
-    when ``ref_logprobs`` is given (k3 = ``exp(ref - lp) - (ref - lp) - 1``,
-    Schulman's unbiased, non-negative estimator, as in GRPO).
-
-    Aggregation (``cfg.loss_agg``):
-      * ``"token"``: sum over all response tokens / number of response tokens
-        (DAPO: long responses weigh by their length);
-      * ``"sequence"``: mean over sequences of each sequence's token mean
-        (original GRPO: every response weighs the same).
-
-    ``advantages`` is per response ``[batch]`` or per token ``[batch, tokens]``.
-    When a batch is split into micro-batches or over data-parallel ranks, pass the
-    global ``num_tokens`` (token agg) or ``num_sequences`` (sequence agg): the loss
-    is then this shard's share, and summing the shards' gradients gives exactly the
-    full batch's gradient.
-
-    Metrics (python floats, one device sync): ``clip_frac`` (tokens whose gradient
-    the clip removed), ``clip_frac_low`` / ``clip_frac_high``, ``approx_kl``
-    (k3 of old vs current), ``ratio_mean`` / ``ratio_max`` / ``ratio_min``,
-    ``entropy`` (mean NLL of the sampled tokens: a cheap entropy estimate),
-    ``kl_ref`` when a reference is given, ``tokens``.
-    """
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                cfg: AlgorithmConfig, ref_logprobs: Optional[torch.Tensor] = None, *,
+                num_tokens: Optional[float] = None,
+                num_sequences: Optional[float] = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped loss with DAPO's clip-higher, plus ``kl_coef`` x k3(ref || current) given ``ref_logprobs``.
+    ``cfg.loss_agg``: "token" (DAPO) or "sequence" (GRPO) mean; ``advantages``: [batch] or [batch, tokens].
+    Split batch: pass global ``num_tokens``/``num_sequences`` for this shard's share. Returns (loss, float metrics)."""
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(f"logprobs {tuple(logprobs.shape)}, old_logprobs {tuple(old_logprobs.shape)} "
                          f"and mask {tuple(mask.shape)} must have the same [batch, tokens] shape")
@@ -108,17 +73,11 @@ def policy_loss(
         k3_old = torch.exp(-log_ratio) - 1.0 + log_ratio
         big = torch.finfo(ratio.dtype).max
         valid = mask > 0
-        stats = [
-            active.sum() / n,
-            low.sum() / n,
-            high.sum() / n,
-            _masked_sum(k3_old, mask) / n,
-            _masked_sum(ratio, mask) / n,
-            torch.where(valid, ratio, torch.full_like(ratio, -big)).max(),
-            torch.where(valid, ratio, torch.full_like(ratio, big)).min(),
-            -_masked_sum(logprobs.detach(), mask) / n,
-            mask.sum(),
-        ]
+        stats = [active.sum() / n, low.sum() / n, high.sum() / n, _masked_sum(k3_old, mask) / n,
+                 _masked_sum(ratio, mask) / n, torch.where(valid, ratio, torch.full_like(ratio, -big)).max(),
+                 torch.where(valid, ratio, torch.full_like(ratio, big)).min(),
+                 -_masked_sum(logprobs.detach(), mask) / n, mask.sum()]
+        # entropy: mean NLL of the sampled tokens, a cheap estimate.
         names = ["clip_frac", "clip_frac_low", "clip_frac_high", "approx_kl",
                  "ratio_mean", "ratio_max", "ratio_min", "entropy", "tokens"]
         if kl_ref is not None:
@@ -133,12 +92,7 @@ def policy_loss(
 
 def rows_without_loss(advantages: torch.Tensor, mask: torch.Tensor, cfg: AlgorithmConfig,
                       has_reference: bool = False) -> torch.Tensor:
-    """[B] bool: the rows whose term in ``policy_loss`` is zero whatever the weights, and so is
-    its gradient: advantage 0 on every response token (both branches of the clipped objective
-    are then -0 * ratio) and no KL term (``kl_coef`` 0 or no reference). GRPO gives every
-    response of a group whose rewards are all equal advantage 0, and so a response whose
-    reward equals its group's mean. The loss's normaliser (tokens or sequences) still counts
-    these rows: leaving them out of the forward and backward changes no gradient."""
+    """[B] bool: rows whose ``policy_loss`` term and gradient are zero whatever the weights."""
     if has_reference and cfg.kl_coef:
         return torch.zeros(mask.shape[0], dtype=torch.bool)
     if advantages.dim() == 1:
@@ -147,12 +101,7 @@ def rows_without_loss(advantages: torch.Tensor, mask: torch.Tensor, cfg: Algorit
 
 
 def logprob_mismatch(engine_logprobs: Any, trainer_logprobs: Any, mask: Any) -> dict[str, float]:
-    """Max and mean |engine - trainer| log-prob over masked tokens.
-
-    The engine's log-probs come from vLLM with weights resharded from the trainer;
-    a large value means a wrong resharding map (or a numerics gap such as bf16 vs
-    fp32). Accepts torch tensors or NumPy arrays of equal shape.
-    """
+    """Max and mean |engine - trainer| log-prob over masked tokens (large: a wrong resharding map)."""
     e = torch.as_tensor(engine_logprobs, dtype=torch.float64)
     t = torch.as_tensor(trainer_logprobs, dtype=torch.float64, device=e.device)
     m = torch.as_tensor(mask, device=e.device) > 0
@@ -166,15 +115,7 @@ def logprob_mismatch(engine_logprobs: Any, trainer_logprobs: Any, mask: Any) -> 
 
 
 def update_gain(advantages: Any, before: Any, after: Any, mask: Any) -> float:
-    """Advantage-weighted change of the response tokens' log-probs over an update, per token:
-    sum(mask * A * (after - before)) / sum(mask).
-
-    It does not depend on which responses the rollout happened to draw the way a reward curve
-    does: a policy-gradient step moves probability towards the responses with positive
-    advantage, so on its own batch it is > 0 to first order (exactly so for a first Adam step;
-    later steps carry momentum from earlier batches). A sign error in the advantages or the
-    loss makes it negative. ``advantages`` is per response ``[batch]`` or per token.
-    """
+    """sum(mask * A * (after - before)) / sum(mask): negative reveals a sign error in advantages or loss."""
     b = torch.as_tensor(before, dtype=torch.float64)
     a = torch.as_tensor(after, dtype=torch.float64, device=b.device)
     m = torch.as_tensor(mask, dtype=torch.float64, device=b.device)

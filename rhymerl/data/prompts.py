@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from rhymerl.config import DataConfig
 from rhymerl.data.records import DatasetError, PromptRecord
 
-# The instruction appended to a plain-text question, per ``data.answer_format``. The
-# step-by-step one names the line the scorer reads (rhymerl.rewards.scorers.extract_answer).
+# Appended to a plain-text question per ``data.answer_format``; step_by_step names the line the scorer reads.
 ANSWER_INSTRUCTIONS = {
     "final_only": "Give only the final answer.",
-    "step_by_step": "Solve it step by step, explaining each step. End with a line: Answer: <answer>",
-    "none": "",
-}
+    "step_by_step": "Solve it step by step, explaining each step. End with a line: Answer: <answer>", "none": ""}
 
 
 def _ask(question: str, cfg: DataConfig) -> str:
@@ -53,8 +52,6 @@ def render_prompt(record: PromptRecord, shots: list[PromptRecord], tokenizer, cf
 
 def few_shot_pool(records: list[PromptRecord], k: int, seed: int) -> dict[str, list[PromptRecord]]:
     """Fixed shots per prompt (other prompts of the set), so a prompt's tokens never change across epochs."""
-    import numpy as np
-
     if k <= 0 or len(records) < 2:
         return {r.id: [] for r in records}
     rng = np.random.default_rng(seed)

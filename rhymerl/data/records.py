@@ -1,16 +1,4 @@
-"""Prompt records and the loaders that produce them.
-
-Sources:
-- reasoning-gym (built in): seeded procedural generators with their own scorers; a
-  fixed seed gives a fixed dataset, revisited every epoch (history needs revisits).
-- JSONL / Parquet prompt files a user brings (GSM8K/MATH/DAPO-style). Schema, one row
-  per prompt:
-    prompt    str, or a list of {"role", "content"} chat messages   (required)
-    answer    str (or number), the gold answer for the verifier       (required)
-    id        str, stable id (default: "<file stem>:<row number>")    (optional)
-    metadata  object, passed to the reward function                   (optional)
-    reward    "math_verify" | "exact"  (per-row verifier override)    (optional)
-"""
+"""Prompt records and their loaders: seeded reasoning-gym tasks, or JSONL / Parquet prompt files."""
 
 from __future__ import annotations
 
@@ -32,9 +20,7 @@ class PromptRecord:
     prompt: Union[str, list]
     answer: str
     metadata: dict = field(default_factory=dict)
-    # Which verifier scores it: "reasoning_gym" (metadata carries task + entry),
-    # "math_verify" or "exact"; None lets the reward config decide.
-    reward: Optional[str] = None
+    reward: Optional[str] = None  # "reasoning_gym", "math_verify" or "exact"; None: the reward config decides
 
 
 def _check_row(row: Any, where: str, default_id: str) -> PromptRecord:

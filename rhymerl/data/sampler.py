@@ -1,8 +1,4 @@
-"""Resumable epoch sampler: a fixed dataset revisited every epoch in a seeded order.
-
-Its whole state is (epoch, position); the order of an epoch is a pure function of
-(seed, epoch), so a resumed run draws exactly the batches the uninterrupted run would.
-"""
+"""Resumable epoch sampler: each epoch's order is a function of (seed, epoch); state is (epoch, position)."""
 
 from __future__ import annotations
 

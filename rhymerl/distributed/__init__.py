@@ -1,2 +1,1 @@
-"""Ranks, devices and process groups; collectives and their device audit; time-sharing one
-device between the rollout engine and training, and its memory plan."""
+"""Ranks, devices, process groups and collectives; colocating the engine and training, and its memory plan."""

@@ -1,26 +1,15 @@
-"""An audit of the devices of the tensors handed to torch.distributed collectives.
-
-``CollectiveAudit().install()`` wraps the tensor collectives of ``torch.distributed``: each call
-compares the device of every tensor it is handed with the device its group's backend takes
-(``rhymerl.distributed.devices``) and raises ``CollectiveDeviceError`` naming the call site on a mismatch.
-Calls from RhymeRL's own code are held to the *declared* device (``declare_backend_device``);
-calls from libraries (megatron-core, DeepSpeed, vLLM) to the backend's native one. When a
-backend is declared to take a device it cannot really take (a test declares gloo -> ``lazy``
-to prove that no code assumes CPU), the audited call is bridged: tensors go to the native
-device for the real collective and the results are copied back.
-
-Run it on the first GPU machine too (``tests/gpu/node_smoke.sh`` does): NCCL calls are then
-checked against CUDA.
-"""
+"""An audit of the devices of tensors handed to torch.distributed collectives (own calls: declared device)."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import sys
 from collections import Counter
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from rhymerl.distributed import devices
 
@@ -28,17 +17,13 @@ TENSOR_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "bro
                       "reduce_scatter_tensor", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv")
 OWN_PACKAGES = ("rhymerl",)
 
-
 _lazy_ready = False
 
 
 def lazy_device() -> torch.device:
-    """PyTorch's ``lazy`` device, started once per process: real data on the CPU, but a device
-    of its own, so that a tensor that was never moved to it is told apart from one that was."""
+    """PyTorch's ``lazy`` device (data on the CPU, but a device of its own), started once per process."""
     global _lazy_ready
     if not _lazy_ready:
-        import importlib
-
         importlib.import_module("torch._lazy.ts_backend").init()
         _lazy_ready = True
     return torch.device("lazy")
@@ -122,8 +107,6 @@ class CollectiveAudit:
         return out
 
     def install(self) -> "CollectiveAudit":
-        import torch.distributed as dist
-
         for name in TENSOR_COLLECTIVES:
             real = getattr(dist, name)
             self._originals[name] = real
@@ -131,8 +114,6 @@ class CollectiveAudit:
         return self
 
     def uninstall(self) -> None:
-        import torch.distributed as dist
-
         for name, real in self._originals.items():
             setattr(dist, name, real)
         self._originals.clear()

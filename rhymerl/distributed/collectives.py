@@ -1,12 +1,14 @@
-"""Object collectives over an explicitly passed process group (no-ops on one process).
-
-Tensors handed to a collective live on the group's device (``rhymerl.distributed.devices``).
-"""
+"""Object collectives over an explicitly passed process group (no-ops on one process)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from rhymerl.distributed.devices import collective_device
 
 
 @dataclass
@@ -22,8 +24,6 @@ class WorldComm:
     def all_gather_object(self, obj: Any) -> list[Any]:
         if not self.is_distributed:
             return [obj]
-        import torch.distributed as dist
-
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
@@ -31,8 +31,6 @@ class WorldComm:
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if not self.is_distributed:
             return obj
-        import torch.distributed as dist
-
         box = [obj if self.rank == src else None]
         dist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
@@ -44,18 +42,11 @@ class WorldComm:
 
     def barrier(self) -> None:
         if self.is_distributed:
-            import torch.distributed as dist
-
             dist.barrier(group=self.group)
 
 
 def all_reduce_max(value: int, group: Optional[Any] = None) -> int:
     """The largest ``value`` over ``group`` (a tensor all-reduce, also on a one-rank group)."""
-    import torch
-    import torch.distributed as dist
-
-    from rhymerl.distributed.devices import collective_device
-
     # NCCL refuses CPU tensors: the value travels on the group's own device.
     t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

@@ -1,43 +1,12 @@
-"""Time-sharing one device between the rollout engine and the training backend.
-
-Every rank holds a training shard and a rollout engine on the same device. The timeline:
-
-    build the policy (and the KL reference)
-    -> before_engine_build      gradients, optimizer state and the reference leave the device
-    -> build the engine         vLLM asks for gpu_memory_utilization x total of *free* memory
-    -> attach_engine            the engine sleeps at once (weights and KV cache released)
-    per step:
-    -> before_rollout(reshard)  engine.wake_up(["weights"]), the trainer's weights stream in,
-                                engine.wake_up(["kv_cache"])
-    -> rollout
-    -> before_training          engine.sleep(level); training state (and reference) come back
-    -> train
-    -> after_training           training state (and reference) leave the device; the engine's
-                                weights are now stale
-
-So the engine always serves the trainer's current weights (the first rollout's come from the
-trainer too, which is also what a resumed run needs), and no phase ever holds the training
-state and the engine's share at once. verl orders its colocated start-up the same way.
-
-On CPU hosts the two also share the cores: vLLM's CPU worker lowers torch's intra-op threads
-for serving when the engine starts, which would leave training on one thread of a many-core
-host; the threads are handed back to training before it runs and to the engine before it serves.
-And they share the host heap: after each hand-over the heap's freed pages go back to the OS
-(``trim_heap``), so one phase's fragments are not resident through the next.
-
-``rollout.sleep_level=0`` keeps the engine resident (no sleep, no wake). vLLM's sleep mode is
-GPU-only: on CPU the engine's sleep frees its KV cache itself and, at level 2, drops its CPU
-kernels' packed weights and frees its parameters' memory (the reshard loads and packs the
-fresh ones).
-Where a backend cannot release memory (DeepSpeed's backend has no offload here), the calls
-still happen and are counted and timed: the step's metrics say what ran.
-"""
+"""Time-sharing one device between the rollout engine and training: no phase holds both."""
 
 from __future__ import annotations
 
 import logging
 import time
 from typing import Any, Callable, Optional, Sequence
+
+from rhymerl.distributed.devices import set_cpu_threads
 
 log = logging.getLogger("rhymerl.distributed.colocation")
 
@@ -52,15 +21,10 @@ class Colocation:
                  device_free_bytes: Optional[Callable[[], int]] = None,
                  cpu_threads: Optional[tuple[int, int]] = None, set_threads: Optional[Callable[[int], None]] = None,
                  trim_heap: Optional[Callable[[], Any]] = None):
-        """``references``: frozen backends used only while training (the KL reference).
-        ``cpu_threads``: (training, rollout) intra-op thread counts, on CPU hosts. ``trim_heap``
-        returns the host heap's freed pages to the OS after each hand-over (CPU hosts, where
-        both sides' tensors live in that heap)."""
+        """``references``: frozen backends used while training; ``cpu_threads``: (training, rollout) threads."""
         if sleep_level not in (0, 1, 2):
             raise ValueError(f"rollout.sleep_level: {sleep_level} not allowed; allowed: 0, 1, 2")
         if cpu_threads is not None and set_threads is None:
-            from rhymerl.distributed.devices import set_cpu_threads
-
             set_threads = set_cpu_threads
         self.cpu_threads = cpu_threads
         self._set_threads = set_threads
@@ -71,9 +35,7 @@ class Colocation:
         self._free = device_free_bytes
         self._asleep = False
         self._trainer_offloaded = False
-        # The engine serves weights other than the trainer's (built from the model files, or
-        # the trainer has stepped since): the next rollout reshards first.
-        self.weights_stale = True
+        self.weights_stale = True  # the engine's weights differ from the trainer's: reshard first
         self._m: dict[str, float] = {}
 
     def share_cpu_threads(self, training: int, rollout: int) -> None:
@@ -81,8 +43,6 @@ class Colocation:
         if training == rollout:
             return
         if self._set_threads is None:
-            from rhymerl.distributed.devices import set_cpu_threads
-
             self._set_threads = set_cpu_threads
         self.cpu_threads = (training, rollout)
 
@@ -93,14 +53,11 @@ class Colocation:
         dt = time.perf_counter() - t0
         self._m[f"colocation/{name}_calls"] = self._m.get(f"colocation/{name}_calls", 0) + 1
         self._m[f"colocation/{name}_s"] = self._m.get(f"colocation/{name}_s", 0.0) + dt
-        if before is not None:
-            # Device bytes this call released (negative: took).
+        if before is not None:  # device bytes released (negative: taken)
             key = f"colocation/{name}_freed_gb"
             self._m[key] = self._m.get(key, 0.0) + (self._free() - before) / 1e9
         elif isinstance(out, int) and not isinstance(out, bool) and out:
-            # No device figure (CPU hosts): the engine's own count of the bytes its sleep freed
-            # (KV cache; at level 2 its parameters too) or its wake took back, and the resident
-            # bytes the heap trims released.
+            # CPU hosts: the bytes the call itself reports freed (sleep, trim) or taken (wake).
             sign = 1 if name in ("engine_sleep", "heap_trim") else -1
             key = f"colocation/{name}_freed_gb"
             self._m[key] = self._m.get(key, 0.0) + sign * out / 1e9
@@ -119,8 +76,6 @@ class Colocation:
                 self._timed("trainer_onload", b.onload_training_state)
         self._trainer_offloaded = False
 
-    # ------------------------------------------------------------------ start-up
-
     def before_engine_build(self) -> None:
         """Free what the engine's build must find free: everything training alone needs."""
         self._offload_trainer()
@@ -134,19 +89,15 @@ class Colocation:
             self._asleep = True
         self._trim()
 
-    # ------------------------------------------------------------------ phases
-
     def before_rollout(self, reshard: Callable[[], dict]) -> dict:
-        """Make the engine serve the trainer's current weights with its KV cache in place;
-        returns ``reshard``'s figures when it ran."""
+        """Make the engine serve the trainer's current weights; returns ``reshard``'s figures when it ran."""
         if self.engine is None:
             raise RuntimeError("colocation: attach_engine() must run before the first rollout")
         if not self._trainer_offloaded:
             self._offload_trainer()
         out: dict = {}
         if self.weights_stale:
-            if self._asleep:
-                # Weight memory only: the KV cache stays free while the fresh weights stream in.
+            if self._asleep:  # weights only: the KV cache stays free while they stream in
                 self._timed("engine_wake_weights", lambda: self.engine.wake_up(["weights"]))
             out = reshard()
             self.weights_stale = False

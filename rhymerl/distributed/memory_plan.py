@@ -1,47 +1,24 @@
-"""Start-up estimate of one device's memory in a colocated run, phase by phase, and the fit check.
-
-Each rank holds a training shard and a rollout engine on one device, time-shared
-(``rhymerl.distributed.colocation``). The device must get through every boundary of that timeline:
-
-- engine build: the policy's weights are resident (gradients, optimizer state and the KL
-  reference were offloaded first), and vLLM refuses to start unless the device's *free*
-  memory is at least ``rollout.gpu_memory_utilization`` x its total (vLLM's own rule, in
-  its units: the total as CUDA reports it). The engine's NCCL buffers (rollout TP > 1) are
-  allocated before vLLM measures, so they count against the free memory too;
-- rollout: the policy's weights + the engine's share (weights, activations, CUDA graphs,
-  KV cache) + its NCCL buffers;
-- training: weights + gradients + optimizer state (+ master weights in mixed precision)
-  + activations and logits of one micro-batch + the reference copy (KL) + what a sleeping
-  engine keeps (its CUDA graph pool and NCCL buffers; everything at sleep level 0);
-- wake: the engine's weights come back next to what it kept while asleep, and the reshard
-  streams the trainer's weights in (one bucket and the largest gathered tensor).
-
-plus ``memory.reserve_gb`` on every phase (CUDA context, the trainer's NCCL buffers, allocator
-fragmentation). A plan that does not fit is refused before anything is built, naming the
-phase, the shortfall and the keys that change it. The figures are estimates (formulas
-below); they are meant to catch plans that are off by gigabytes, not to predict the
-allocator to the megabyte.
-"""
+"""Start-up estimate of one device's memory per colocated phase; a plan that does not fit is refused."""
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from rhymerl.resharding.layout import ModelLayout
 
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Saved activations per token per hidden unit of one transformer layer without recomputation,
-# in bytes, at 16-bit (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-# Transformer Models": s*b*h*(10 + 24/t), attention scores counted apart).
+# Saved activation bytes per token and hidden unit of a 16-bit layer: 10 + 24/t (Korthikanti et al. 2022).
 ACT_BYTES_PER_TOKEN_HIDDEN = 10
 ACT_BYTES_PER_TOKEN_HIDDEN_TP = 24
-# Of those, the two norms' outputs (the inputs of the QKV and first MLP projections), which
-# parallel.recompute_norms drops and recomputes in backward.
+# Of those, the two norms' outputs, which parallel.recompute_norms recomputes.
 ACT_NORM_OUTPUT_BYTES_PER_TOKEN_HIDDEN = 4
-# The unfused attention of megatron's local layer spec keeps its scores (16-bit) and the fp32
-# softmax of them: bytes per score element.
-SCORE_BYTES = 6
+SCORE_BYTES = 6  # per score element: unfused attention keeps 16-bit scores and their fp32 softmax
 # Logits of a micro-batch: the vocabulary-parallel logits, their fp32 copy and its gradient.
 LOGIT_COPIES_BYTES = 2 + 4 + 4
 
@@ -68,8 +45,7 @@ def kv_bytes_per_token(m: ModelLayout, dtype_bytes: int, tp: int) -> float:
     return 2 * m.num_layers * m.num_kv_heads * m.head_dim * dtype_bytes / tp
 
 
-# A sleeping engine keeps its CUDA graphs (vLLM's sleep releases only the weights and KV cache
-# pools; graphs of decode batches up to max_num_seqs) and its NCCL communicators' buffers.
+# A sleeping engine keeps its CUDA graphs (vLLM's sleep releases only weights and KV cache) and NCCL buffers.
 GRAPH_POOL_BYTES = 2 * GB
 ENGINE_NCCL_BYTES = 1 * GB
 # The reshard's transient: one bucket of gathered tensors (the trainer's RESHARD_BUCKET_BYTES).
@@ -133,19 +109,16 @@ class MemoryPlan:
 
 
 def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> MemoryPlan:
-    """The plan of one device for ``cfg`` (a RunConfig) on ``world_size`` ranks of ``device_bytes``
-    each (the total as CUDA reports it: vLLM's unit)."""
+    """The plan of one device for ``cfg`` on ``world_size`` ranks of ``device_bytes`` (CUDA's total) each."""
     p, r, a = cfg.parallel, cfg.rollout, cfg.algo
     tp, pp = p.tensor_parallel, p.pipeline_parallel
     dp = max(world_size // (tp * pp), 1)
     wb = DTYPE_BYTES[cfg.model.dtype]
     n = model_params(size)
-    # Layers split over pipeline stages and every matrix over TP; the embedding (and an untied
-    # head) sit on the first (last) stage: charge the larger, first-stage share.
+    # Charge the larger, first-stage share (it holds the embedding).
     shard = size.num_layers / pp * layer_params(size) / tp + embedding_params(size) / tp
     mixed = wb != 4
-    # megatron reduces gradients in fp32; Adam keeps two fp32 moments, and mixed precision an
-    # fp32 master copy. The distributed optimizer shards the fp32 state over DP.
+    # fp32 grads; Adam's two fp32 moments, plus an fp32 master copy in mixed precision.
     opt_per_param = 8 + (4 if mixed else 0)
     opt_share = dp if p.distributed_optimizer else 1
     tokens = max(a.micro_batch_tokens, r.max_model_len)
@@ -156,7 +129,7 @@ def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> Me
         full_layer = n_tok * h * (ACT_BYTES_PER_TOKEN_HIDDEN + ACT_BYTES_PER_TOKEN_HIDDEN_TP / tp) * wb / 2
         kept_layer = full_layer - (n_tok * h * ACT_NORM_OUTPUT_BYTES_PER_TOKEN_HIDDEN * wb / 2
                                    if p.recompute_norms else 0)
-        # Fused attention (parallel.attention=sdpa) keeps one log-sum-exp per row and head instead.
+        # Fused attention (sdpa) keeps one log-sum-exp per row and head instead.
         scores = n_tok * seq * (size.num_heads / tp) * SCORE_BYTES if p.attention == "unfused" \
             else n_tok * (size.num_heads / tp) * 4
         if recompute:
@@ -168,7 +141,6 @@ def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> Me
         activations = activations_of(tokens, True)
     elif (p.recompute_over_budget and p.backend == "megatron" and not p.recompute_norms
           and r.max_model_len > a.micro_batch_tokens):
-        # A micro-batch within the budget keeps its activations; a longer row recomputes.
         activations = max(activations_of(a.micro_batch_tokens, False), activations_of(r.max_model_len, True))
     else:
         activations = activations_of(tokens, False)
@@ -188,18 +160,17 @@ def estimate(cfg, size: ModelLayout, world_size: int, device_bytes: float) -> Me
         training.update({"engine (awake)": engine_share, "engine NCCL": engine_nccl})
     else:
         training.update(asleep)
-    # The reshard gathers each full tensor; the largest is the (vocabulary x hidden) embedding.
+    # The reshard gathers each full tensor; the largest is the embedding.
     largest = size.vocab_size * size.hidden_size * wb
     phases = [
         Phase("engine build", {"weights": weights, "engine NCCL": engine_nccl, "reserve": reserve},
               device_bytes - engine_share,
               f"vLLM: free >= gpu_memory_utilization {r.gpu_memory_utilization} x {device_bytes / GB:.1f}"),
-        Phase("rollout", {"weights": weights, "engine": engine_share, "engine NCCL": engine_nccl,
-                          "reserve": reserve}, device_bytes),
+        Phase("rollout", {"weights": weights, "engine": engine_share, "engine NCCL": engine_nccl, "reserve": reserve},
+              device_bytes),
         Phase("training", {**training, "reserve": reserve}, device_bytes),
         Phase("wake", {"weights": weights, "engine weights": engine_weights, **asleep,
-                       "reshard": RESHARD_BUCKET_BYTES + largest, "reserve": reserve}, device_bytes),
-    ]
+                       "reshard": RESHARD_BUCKET_BYTES + largest, "reserve": reserve}, device_bytes)]
     plan = MemoryPlan(device_bytes=device_bytes, reserve_bytes=reserve, phases=phases)
     # vLLM's own activation peak during profiling: one batch of max_num_batched_tokens.
     engine_act = max(r.max_model_len, 2048) * (h * 4 * wb + size.vocab_size * 4 / r.tensor_parallel)
@@ -217,8 +188,7 @@ PHASE_KEYS = {
     "training": "raise parallel.tensor_parallel or parallel.pipeline_parallel, set parallel.distributed_optimizer=true "
                 "or parallel.recompute_activations=true, lower algo.micro_batch_tokens (or rollout.max_model_len, "
                 "the longest sequence), or set rollout.sleep_level to 1 or 2",
-    "wake": "raise rollout.tensor_parallel (the engine's weights per device) or parallel.tensor_parallel",
-}
+    "wake": "raise rollout.tensor_parallel (the engine's weights per device) or parallel.tensor_parallel"}
 
 
 def check(plan: MemoryPlan) -> None:
@@ -239,19 +209,8 @@ def check(plan: MemoryPlan) -> None:
 
 
 def check_run(cfg, model_path, world_size: int, device) -> "MemoryPlan | None":
-    """The start-up check: estimate the plan for the run's device and refuse it if it cannot fit.
-
-    The device's size is ``memory.device_gb`` or, on CUDA, what the device reports; on a CPU host
-    without ``memory.device_gb`` there is no per-device budget to hold the plan to (the engine
-    takes ``rollout.cpu_kv_cache_gb`` of host memory and never sleeps) and nothing is checked."""
-    import json
-    import logging
-    from pathlib import Path
-
+    """Estimate the plan for the run's device and refuse it if it cannot fit; None without a device budget."""
     if getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        # The device's own total: what vLLM applies gpu_memory_utilization to.
         cap = float(torch.cuda.get_device_properties(device).total_memory)
     elif cfg.memory.device_gb:
         cap = cfg.memory.device_gb * GB
@@ -266,11 +225,7 @@ def check_run(cfg, model_path, world_size: int, device) -> "MemoryPlan | None":
 
 
 def planned_table(cfg, world_size: int) -> str:
-    """The plan of ``cfg`` for ``--print-config`` (no device needed: ``memory.device_gb``), or a
-    line saying what it needs; raises MemoryPlanError when the plan cannot fit."""
-    import json
-    from pathlib import Path
-
+    """The plan of ``cfg`` for ``--print-config``, or a line saying what it needs; raises MemoryPlanError."""
     if not cfg.memory.device_gb:
         return "memory plan: set memory.device_gb to plan a GPU device's memory (CPU hosts have no per-device budget)"
     folder = Path(cfg.model.path).expanduser()
@@ -283,19 +238,14 @@ def planned_table(cfg, world_size: int) -> str:
     return plan.table()
 
 
-# vLLM's KV block size on CPU: a sequence's last block is allocated whole.
-KV_BLOCK_TOKENS = 16
-# vLLM's CPU cache layout costs more per token than K and V alone (a Qwen2.5-0.5B-shaped model
-# got 896 of 1024 tokens from 1.1x), and below a floor the fixed parts dominate.
+KV_BLOCK_TOKENS = 16  # vLLM's KV block size on CPU: a sequence's last block is allocated whole
+# vLLM's CPU cache layout costs more per token than K and V alone; below a floor fixed parts dominate.
 KV_MARGIN = 1.5
 KV_FLOOR_BYTES = 32 << 20
 
 
 def cpu_kv_cache_bytes(layout: ModelLayout, rollout_cfg, dtype: str, sequences: int, longest_prompt: int) -> int:
-    """The KV cache a CPU engine needs for one step: the step's concurrent sequences at their
-    longest (prompt + response + draft slots), and at least one ``max_model_len`` sequence
-    (vLLM refuses to start otherwise). A larger cache only holds zeros: on CPU it is resident
-    memory taken from the trainer next to it."""
+    """The KV cache a CPU engine needs for one step, at least one ``max_model_len`` sequence (no more)."""
     r = rollout_cfg
     max_len = min(r.max_model_len, layout.max_position_embeddings)
     per_seq = min(longest_prompt + r.max_tokens + r.num_speculative_tokens + KV_BLOCK_TOKENS, max_len)

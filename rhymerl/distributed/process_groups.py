@@ -1,9 +1,4 @@
-"""Process groups for training, created once and passed explicitly.
-
-``init_process_groups`` starts torch.distributed (gloo on CPU, nccl on GPU) from the launcher's
-``MASTER_ADDR``/``MASTER_PORT`` unless it is already running, then builds megatron's TP/PP/DP
-groups. A single process is world size 1 (every group has one member).
-"""
+"""Process groups for training (torch.distributed, megatron's TP/PP/DP), created once and passed explicitly."""
 
 from __future__ import annotations
 
@@ -37,9 +32,7 @@ class ProcessGroups:
     dp_rank: int
     device: torch.device
     dist_backend: str
-    # Gloo over the whole world, for object collectives (pickled control messages, gathered
-    # samples): on NCCL worlds they would otherwise round-trip through CUDA tensors.
-    cpu: Any = None
+    cpu: Any = None  # gloo over the world for object collectives (on NCCL they would go through CUDA)
 
     @property
     def is_first_stage(self) -> bool:
@@ -76,16 +69,11 @@ def _resolve_backend(parallel_cfg: ParallelConfig) -> str:
 
 def init_process_groups(parallel_cfg: ParallelConfig, world_size: int, rank: int,
                         apply_patches: bool = True) -> ProcessGroups:
-    """Start torch.distributed if needed and build megatron's groups for ``parallel_cfg``.
-
-    On gloo (CPU hosts) it also applies ``megatron_patches`` unless ``apply_patches=False``
-    (the patch tests apply them one by one)."""
+    """Start torch.distributed if needed and build megatron's groups (on gloo, ``megatron_patches`` too)."""
     tp, pp = parallel_cfg.tensor_parallel, parallel_cfg.pipeline_parallel
     if world_size % (tp * pp) != 0:
         raise ValueError(f"parallel.tensor_parallel*pipeline_parallel={tp * pp} does not divide the world size {world_size}")
     dp = world_size // (tp * pp)
-    if parallel_cfg.data_parallel and parallel_cfg.data_parallel != dp:
-        raise ValueError(f"parallel.data_parallel={parallel_cfg.data_parallel} but world {world_size} / (TP*PP) = {dp}")
     backend = _resolve_backend(parallel_cfg)
     if not dist.is_initialized():
         for key in ("MASTER_ADDR", "MASTER_PORT"):
@@ -125,20 +113,16 @@ def init_process_groups(parallel_cfg: ParallelConfig, world_size: int, rank: int
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     return ProcessGroups(
-        world_size=world_size, rank=rank,
-        tp=ps.get_tensor_model_parallel_group(), pp=ps.get_pipeline_model_parallel_group(),
-        dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
+        world_size=world_size, rank=rank, tp=ps.get_tensor_model_parallel_group(),
+        pp=ps.get_pipeline_model_parallel_group(), dp=ps.get_data_parallel_group(), mp=ps.get_model_parallel_group(),
         embd=ps.get_embedding_group(check_initialized=False),
-        pos_embd=ps.get_position_embedding_group(check_initialized=False),
-        tp_size=tp, pp_size=pp, dp_size=dp,
+        pos_embd=ps.get_position_embedding_group(check_initialized=False), tp_size=tp, pp_size=pp, dp_size=dp,
         tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(), device=device, dist_backend=backend, cpu=cpu_group,
-    )
+        dp_rank=ps.get_data_parallel_rank(), device=device, dist_backend=backend, cpu=cpu_group)
 
 
 def cpu_world_group(backend: str) -> Any:
-    """A gloo group over the world (the world itself when it already runs gloo). Collective:
-    every rank calls it once, in the same order."""
+    """A gloo group over the world (the world itself on gloo). Collective: every rank calls it, in order."""
     if backend == "gloo":
         return dist.group.WORLD
     return dist.new_group(backend="gloo")

@@ -1,6 +1,4 @@
-"""HistoPipe: history-aware rollout scheduling (length predictor, cost model and its
-calibration, planner, the scheduler state machine with its policies). The cluster simulator
-(benchmarks/simulate) drives the same scheduler."""
+"""HistoPipe: history-aware rollout scheduling (length predictor, cost model, planner, scheduler)."""
 
 from rhymerl.histopipe.cost import DecodeCostModel
 from rhymerl.histopipe.planner import HistoPipePlanner, NoopPlanner, Plan, PromptGroup

@@ -1,12 +1,4 @@
-"""Calibration of the decode cost model: a JSON file holding the step-cost constants and
-where they came from, and the least-squares fit that turns measured engine steps into one.
-
-    {"source": "...", "cost": {"a": s, "b": s, "c": s, "p": s, "max_batch": int, "kv_capacity": int},
-     "speculation": {...SpecProfile...}?}
-
-Live, ``StepCostFit`` is fed (batch size, context tokens, step seconds) as engine steps run
-and refits ``a + b*B + c*K`` as the run goes.
-"""
+"""Calibration of the decode cost model: its JSON file, and ``StepCostFit``, the refit from engine steps."""
 
 from __future__ import annotations
 
@@ -49,8 +41,7 @@ def save(path: str | Path, cost: DecodeCostModel, source: str, extra: Optional[d
 
 
 class StepCostFit:
-    """Least-squares fit of step_time = a + b*B + c*K + p*F from observed engine steps
-    (B running sequences, K their context tokens, F prompt tokens prefilled in the step)."""
+    """Least-squares fit of step_time = a + b*B + c*K + p*F (F: tokens prefilled in the step)."""
 
     def __init__(self, prior: DecodeCostModel, max_samples: int = 4096):
         self.prior = prior
@@ -64,8 +55,7 @@ class StepCostFit:
                 del self.rows[: len(self.rows) - self.max_samples]
 
     def fit(self) -> DecodeCostModel:
-        """The prior until the samples span enough batch sizes; coefficients kept >= 0 (a
-        term the samples cannot identify, or that fits negative, is dropped and the rest refitted)."""
+        """The prior until enough batch sizes are seen; a term that fits negative is dropped and the rest refitted."""
         if len(self.rows) < 8 or len({r[0] for r in self.rows}) < 3:
             return self.prior
         A = np.array([[1.0, r[0], r[1], r[2]] for r in self.rows])

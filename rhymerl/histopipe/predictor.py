@@ -1,29 +1,14 @@
-"""Per-prompt response-length predictor from the lengths recorded in earlier epochs.
-
-The history store gives, per prompt, the lengths of its responses per epoch, oldest first
-(``store.lengths(key)``). An epoch's evidence is its group mean in log space (lengths are
-long-tailed; a mean of logs is not dragged by one max-length response), weighted by
-``decay ** age`` (age 0 = last epoch). The estimate is then shrunk towards a dataset-level
-prior, by how much history has predicted well so far:
-
-    log_pred = prior + beta * (hist - prior) + drift
-
-``prior`` (mean log length of everything observed), ``beta`` (the least-squares slope of
-a group's actual log mean on its history's, i.e. how much the lengths rhyme) and
-``drift`` (lengths grow or shrink over training) are all learnt online in ``observe``.
-With uncorrelated epochs beta goes to 0 and every prompt gets the prior, so the planner
-falls back to balancing by count instead of chasing noise.
-"""
+"""Per-prompt length predictor: log_pred = prior + beta * (hist - prior) + drift, all learnt online."""
 
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Optional, Sequence
 
 from rhymerl.config import HistoPipeConfig
 
-# Pseudo-observations behind the initial beta/drift estimates (before any evidence the
-# predictor trusts history fully: adjacent epochs rhyme in the paper's traces).
+# Pseudo-observations behind the initial beta estimate (history trusted fully before any evidence).
 _BETA_PRIOR_WEIGHT = 4.0
 _MIN_BETA = 0.1
 _EMA = 0.02  # weight of one group in the running prior / drift estimates
@@ -41,8 +26,7 @@ class LengthPredictor:
             raise ValueError(f"histopipe.decay must be in (0, 1], got {cfg.decay}")
         self.cfg = cfg
         self.max_tokens = max_tokens
-        # Before anything is observed the prior is a quarter of the budget (reasoning
-        # models rarely use all of it, and over-estimating is the safe side).
+        # A quarter of the budget before anything is observed (over-estimating is the safe side).
         self.prior_log = math.log(max(1.0, max_tokens / 4))
         self.prior_n = 0
         self.drift = 0.0
@@ -62,9 +46,7 @@ class LengthPredictor:
 
     @property
     def beta(self) -> float:
-        """How much history is trusted. Zero unless the slope is clearly useful (its 2-sigma
-        lower bound above _MIN_BETA): any positive slope would still *order* prompts by
-        noise, and ordering by noise is worse than balancing by count."""
+        """How much history is trusted: 0 unless the slope's 2-sigma lower bound exceeds _MIN_BETA."""
         if self.sxx <= 0:
             return 0.0
         beta = self.sxy / self.sxx
@@ -108,8 +90,6 @@ class LengthPredictor:
         """``q``-quantile of one response's length (lognormal around the predicted log-mean)."""
         if not 0.0 < q < 1.0:
             raise ValueError(f"quantile must be in (0, 1), got {q}")
-        from statistics import NormalDist
-
         lp = self.predict_log(key, history_lengths)
         z = NormalDist().inv_cdf(q)
         return min(float(self.max_tokens), max(1.0, math.exp(lp + z * math.sqrt(self.within_var))))
@@ -137,29 +117,21 @@ class LengthPredictor:
                 self.err_n += 1
                 self.err_abs_rel += abs(pred - actual) / max(1.0, actual)
                 self.err_log_sq += (math.log(pred) - math.log(max(1.0, actual))) ** 2
-        # Prior: running mean early on, then an EMA so it follows length drift.
-        self.prior_n += 1
+        self.prior_n += 1  # Prior: running mean early on, then an EMA so it follows length drift.
         self.prior_log += max(_EMA, 1.0 / self.prior_n) * (y - self.prior_log)
 
     def error_report(self) -> dict:
         n = max(1, self.err_n)
-        return {
-            "groups": self.err_n,
-            "mean_abs_rel_error": self.err_abs_rel / n,
-            "rmse_log": math.sqrt(self.err_log_sq / n),
-            "beta": self.beta,
-            "prior_tokens": math.exp(self.prior_log),
-            "drift": self.drift,
-            "within_log_std": math.sqrt(self.within_var),
-        }
+        return {"groups": self.err_n, "mean_abs_rel_error": self.err_abs_rel / n,
+                "rmse_log": math.sqrt(self.err_log_sq / n), "beta": self.beta,
+                "prior_tokens": math.exp(self.prior_log), "drift": self.drift,
+                "within_log_std": math.sqrt(self.within_var)}
 
     def state_dict(self) -> dict:
-        return {
-            "prior_log": self.prior_log, "prior_n": self.prior_n, "drift": self.drift,
-            "sxx": self.sxx, "sxy": self.sxy, "syy": self.syy, "fit_n": self.fit_n, "err_n": self.err_n,
-            "err_abs_rel": self.err_abs_rel, "err_log_sq": self.err_log_sq,
-            "within_var": self.within_var, "max_tokens": self.max_tokens,
-        }
+        return {"prior_log": self.prior_log, "prior_n": self.prior_n, "drift": self.drift,
+                "sxx": self.sxx, "sxy": self.sxy, "syy": self.syy, "fit_n": self.fit_n, "err_n": self.err_n,
+                "err_abs_rel": self.err_abs_rel, "err_log_sq": self.err_log_sq,
+                "within_var": self.within_var, "max_tokens": self.max_tokens}
 
     def load_state_dict(self, d: dict) -> None:
         missing = {"prior_log", "prior_n", "drift", "sxx", "sxy"} - set(d)

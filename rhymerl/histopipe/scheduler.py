@@ -1,28 +1,4 @@
-"""The rollout scheduler: one state machine over instances, queued requests and running
-requests, driven by real engines (``histopipe.live``) and by the cluster simulator
-(``histopipe.engine``) alike.
-
-A driver tells the scheduler what happened (``started``, ``progress``, ``finished``,
-``migrated``) and asks it what to do (``next_for``: the request an instance starts when a
-batch slot frees; ``moves``: running requests to take off one instance and continue on
-another). The decisions come from a policy object:
-
-- ``StaticPolicy``: per-instance queues fixed up front, no runtime correction (random
-  dispatch of a shuffled batch, round-robin);
-- ``PriorityPolicy``: one central queue, the highest-priority request first, to whichever
-  instance frees a slot. With priority = dataset order it is least-loaded dispatch; with
-  the true lengths it is the oracle's longest-first; ``HistoPipePolicy`` keys it by
-  online length estimates;
-- ``HistoPipePolicy``: tier 1 = which instance (central queue: an instance that frees a slot
-  takes the next request, so no instance idles while work is queued), tier 2 = order
-  (longest-estimated first; one probe sample per group runs first, Seer-style: while it
-  runs, that it has not finished yet, and once it finishes, its length, update the group's
-  estimate, weighted against history by how well history has predicted so far), and tail
-  control: once the queue is empty, a request running past its group's straggler quantile
-  migrates to an instance that ran dry when the cost model says the re-prefill pays
-  (optionally, stragglers are gathered earlier on lanes: instances that run only stragglers,
-  in small batches).
-"""
+"""The rollout scheduler: one state machine, driven by real engines and the simulator alike."""
 
 from __future__ import annotations
 
@@ -35,16 +11,11 @@ from typing import Optional, Sequence
 from rhymerl.histopipe.cost import DecodeCostModel
 
 QUEUED, RUNNING, DONE = 0, 1, 2
-# A running probe reports its progress each time it has generated this factor more tokens.
-PROBE_RUNG = 1.25
+PROBE_RUNG = 1.25  # a running probe reports progress each time it has generated this factor more tokens
 
 
 def censored_shift(mean: float, var: float, within_var: float, log_x: float) -> float:
-    """How far the posterior mean of a group's log-mean length moves, from ``mean`` (prior
-    variance ``var``), on learning that one sample (log length = log-mean + N(0,
-    ``within_var``)) is longer than exp(``log_x``): E[mu | y > log_x] - mean =
-    var / s * lambda((log_x - mean) / s), s^2 = var + within_var, with lambda the inverse
-    Mills ratio of the standard normal."""
+    """How far a group's posterior log-mean moves on learning that one sample is longer than exp(``log_x``)."""
     sd = math.sqrt(var + within_var)
     a = (log_x - mean) / sd
     if a > 30.0:
@@ -56,9 +27,7 @@ def censored_shift(mean: float, var: float, within_var: float, log_x: float) -> 
 
 @dataclass(frozen=True)
 class Move:
-    """Take running request ``rid`` off instance ``src`` and continue it on ``dst`` (its
-    prompt and the tokens generated so far are re-prefilled there); ``dst`` = -1 sends it
-    back to the central queue (preemption)."""
+    """Move running ``rid`` from ``src`` to ``dst`` (re-prefilled there); ``dst`` = -1 requeues it."""
 
     rid: int
     src: int
@@ -71,13 +40,11 @@ class Counters:
     migrated: int = 0
     stragglers: int = 0
     probes: int = 0
-    preempted: int = 0  # running requests sent back to the queue to free a straggler lane
-    lanes: int = 0  # instances turned into straggler lanes
+    preempted: int = 0  # running requests a policy sent back to the queue
 
 
 class Policy:
-    """Decides placement (tier 1), order (tier 2) and runtime correction. Subclasses
-    override what they use; the base is a central FIFO (least-loaded by count)."""
+    """Decides placement, order and runtime correction; the base is a central FIFO (least-loaded)."""
 
     name = "least_loaded"
     central = True
@@ -105,9 +72,6 @@ class Policy:
     def watch_tokens(self, rid: int) -> Optional[int]:
         """Generated-token count at which the driver should report ``progress`` for rid."""
         return None
-
-    def admit_cap(self, instance: int) -> int:
-        return self.s.max_batch
 
     def moves(self) -> list[Move]:
         return []
@@ -184,7 +148,6 @@ class Scheduler:
             heapq.heapify(self._heap)
             self.queued = R
 
-    # ------------------------------------------------------------------ queue
     def requeue_keys(self, rids: Sequence[int]) -> None:
         """Priorities of these queued requests changed (central queue only)."""
         if self._queues is not None:
@@ -205,14 +168,13 @@ class Scheduler:
 
     def next_for(self, instance: int) -> Optional[int]:
         """The request ``instance`` starts now (it has a free batch slot), or None."""
-        if len(self.running[instance]) >= self.policy.admit_cap(instance):
+        if len(self.running[instance]) >= self.max_batch:
             return None
         if self._queues is not None:
             q = self._queues[instance]
             return q[0] if q else None
         return self.peek()
 
-    # ------------------------------------------------------------------ events
     def started(self, rid: int, instance: int) -> None:
         if self.state[rid] != QUEUED:
             raise ValueError(f"request {rid} started twice")
@@ -256,8 +218,7 @@ class Scheduler:
         self.counters.starts += 1
 
     def preempted(self, rid: int, generated: int) -> None:
-        """The driver took running ``rid`` off its instance with ``generated`` tokens; it
-        is queued again and continues (prompt + generated re-prefilled) wherever it starts next."""
+        """The driver took running ``rid`` off its instance with ``generated`` tokens; it is queued again."""
         if self.state[rid] != RUNNING:
             raise ValueError(f"request {rid} is not running")
         if self._queues is not None:
@@ -283,28 +244,19 @@ class Scheduler:
 
 
 class HistoPipePolicy(Policy):
-    """Online-corrected longest-estimated-first with probes and straggler control.
-
-    ``prior_log[g]``: log of the history-based length estimate of group g (from the
-    ``LengthPredictor``); ``hist_var``: its error variance in log space (how well history
-    has predicted so far: large when the policy changes fast, so observations then
-    dominate); ``within_var``: the spread of log lengths inside a group.
-    """
+    """Online-corrected longest-estimated-first with probes and straggler control. ``prior_log[g]``: group
+    g's log history estimate, ``hist_var`` its error variance; ``within_var``: log-length spread in a group."""
 
     name = "histopipe"
 
     def __init__(self, prior_log: Sequence[float], hist_var: float, within_var: float, cost: DecodeCostModel,
-                 probe: bool = True, straggler_z: float = 2.0, lanes: bool = True, migrate: bool = True,
-                 lane_batch: int = 8, lane_fraction: float = 0.1, max_tokens: Optional[int] = None):
+                 probe: bool = True, straggler_z: float = 2.0, migrate: bool = True, max_tokens: Optional[int] = None):
         self.prior_log = [float(x) for x in prior_log]
         self.hist_var = max(1e-4, float(hist_var))
         self.within_var = max(1e-4, float(within_var))
         self.cost = cost
         self.probe = probe
         self.z = straggler_z
-        self.lanes = lanes
-        self.lane_batch = lane_batch
-        self.lane_fraction = lane_fraction
         self.migrate = migrate
         self.max_tokens = max_tokens
 
@@ -315,9 +267,7 @@ class HistoPipePolicy(Policy):
         rep = predictor.error_report()
         # Before history has been scored, trust it as much as one observed sample.
         hist_var = rep["rmse_log"] ** 2 if rep["groups"] else predictor.within_var
-        return cls(prior_log, hist_var, predictor.within_var, cost, probe=cfg.probe, straggler_z=cfg.straggler_z,
-                   lanes=cfg.lanes, migrate=cfg.migrate, lane_batch=cfg.lane_batch, lane_fraction=cfg.lane_fraction,
-                   max_tokens=max_tokens)
+        return cls(prior_log, hist_var, predictor.within_var, cost, straggler_z=cfg.straggler_z, max_tokens=max_tokens)
 
     def bind(self, sched: Scheduler) -> None:
         super().bind(sched)
@@ -330,20 +280,10 @@ class HistoPipePolicy(Policy):
         self.probe_of = [m[0] if (self.probe and len(m) > 1) else -1 for m in sched.members]
         self.straggling: set[int] = set()  # running requests past their straggler quantile
         self.on_inst = [0] * sched.N  # stragglers per instance
-        self.lane = [False] * sched.N
-        self.open_lanes: list[int] = []
-        self._incoming = [0] * sched.N
-        self._pending: list[Move] = []
-        # Lanes pay only with many instances: a lane takes a whole instance's batch.
-        self.max_lanes = int(self.lane_fraction * sched.N)
         sched.counters.probes = sum(1 for p in self.probe_of if p >= 0)
 
-    # -- estimates ----------------------------------------------------------------------
     def _update(self, g: int) -> None:
-        """Log-mean estimate of group g: the history prior and the observed log lengths,
-        precision-weighted, and, while the group's probe runs, the evidence that the probe is
-        longer than what it has generated (a censored sample: the long groups, whose probes
-        finish last, are recognised while their siblings can still start early)."""
+        """Group g's log-mean: prior and observations precision-weighted, plus a running probe's censored evidence."""
         prec = 1.0 / self.hist_var + self.obs_n[g] / self.within_var
         mean = (self.prior_log[g] / self.hist_var + self.obs_sum[g] / self.within_var) / prec
         self.base_log[g] = mean
@@ -367,8 +307,7 @@ class HistoPipePolicy(Policy):
 
     def on_finish(self, rid: int, length: int) -> None:
         g = self.s.group_of[rid]
-        # Only the probe's length is an unbiased sample: the siblings that finish first are
-        # the short ones, and learning from them would push the group's long tail back.
+        # Only the probe's length is unbiased: the siblings that finish first are the short ones.
         if rid == self.probe_of[g]:
             self.probe_gen[g] = 0
             self.obs_n[g] += 1
@@ -378,7 +317,6 @@ class HistoPipePolicy(Policy):
             self.straggling.discard(rid)
             self._leave(rid, self.s.where[rid])
 
-    # -- stragglers ---------------------------------------------------------------------
     def _threshold(self, rid: int) -> int:
         g = self.s.group_of[rid]
         # A running probe's own length is not evidence that it is long for its group.
@@ -389,11 +327,7 @@ class HistoPipePolicy(Policy):
         return max(1, int(t))
 
     def _probe_rung(self, g: int) -> int:
-        """Tokens at which group g's running probe next counts as evidence: geometric rungs
-        from one spread below the group's estimate (below that, having run so far says
-        little). Rungs, not every report, so the live driver (which reports every round)
-        and the simulator (which reports when asked) run the same policy, and a long probe
-        re-sorts its siblings a few dozen times, not once per engine step."""
+        """Tokens at which group g's probe next counts as evidence (geometric rungs: drivers agree, few re-sorts)."""
         lo = math.exp(self.base_log[g] - math.sqrt(self.hist_var + self.within_var))
         return max(int(lo), int(PROBE_RUNG * self.probe_gen[g]) + 1)
 
@@ -404,7 +338,7 @@ class HistoPipePolicy(Policy):
         if rid == self.probe_of[g]:
             # A rung passed unreported (a probe re-admitted after a move) is due at once.
             due.append(max(self._probe_rung(g), gen + 1))
-        if (self.lanes or self.migrate) and rid not in self.straggling and (t := self._threshold(rid)) > gen:
+        if self.migrate and rid not in self.straggling and (t := self._threshold(rid)) > gen:
             due.append(t)
         return min(due) if due else None
 
@@ -420,53 +354,18 @@ class HistoPipePolicy(Policy):
         j = s.where[rid]
         self.on_inst[j] += 1
         s.counters.stragglers += 1
-        # A request running past the quantile is evidence of a longer group: siblings
-        # still queued move up (Seer: a group's estimate is at least what it has shown).
+        # A straggler is evidence of a longer group: queued siblings move up.
         if rid != self.probe_of[g] and generated > math.exp(self.est_log[g]):
             self.obs_n[g] += 1
             self.obs_sum[g] += math.log(generated)
             self._update(g)
-        if not self.lanes or self.lane[j] or s.queue_empty():
-            return
-        # Gather stragglers on lanes: instances that run only stragglers, in small batches
-        # (fast steps), while everything else runs at full batch elsewhere.
-        for k in self.open_lanes:
-            if self.on_inst[k] + self._incoming[k] < self.lane_batch:
-                self._pending.append(Move(rid, j, k))
-                self._incoming[k] += 1
-                return
-        if len(self.open_lanes) >= self.max_lanes:
-            return
-        self.lane[j] = True
-        self.open_lanes.append(j)
-        s.counters.lanes += 1
-        for r in s.running[j]:
-            if r not in self.straggling:
-                self._pending.append(Move(r, j, -1))
-
-    def admit_cap(self, instance: int) -> int:
-        return 0 if self.lane[instance] else self.s.max_batch
 
     def _leave(self, rid: int, inst: int) -> None:
         self.on_inst[inst] -= 1
-        if self.lane[inst] and self.on_inst[inst] + self._incoming[inst] == 0:
-            self.lane[inst] = False
-            self.open_lanes.remove(inst)
 
     def moves(self) -> list[Move]:
         s = self.s
-        out = [m for m in self._pending if s.state[m.rid] == RUNNING and s.where[m.rid] == m.src
-               and (m.dst >= 0 or m.rid not in self.straggling)]
-        for m in self._pending:
-            if m.dst >= 0 and m not in out:
-                self._incoming[m.dst] -= 1
-        self._pending = []
-        for m in out:
-            if m.dst >= 0:
-                self._incoming[m.dst] -= 1
-                if m.rid in self.straggling:
-                    self.on_inst[m.dst] += 1
-                    self._leave(m.rid, m.src)
+        out: list[Move] = []
         if not self.migrate or not s.queue_empty() or not self.straggling:
             return out
         # Queue empty: stragglers in busy batches move to instances that ran dry.

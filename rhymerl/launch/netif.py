@@ -1,10 +1,4 @@
-"""Which network interface a rank's gloo/NCCL sockets use on a multi-node job.
-
-Left alone, gloo and NCCL pick an interface from the host name, which on many clusters
-resolves to the wrong network or to a loopback address, and the ranks hang at start-up.
-Each rank instead takes the interface it would use to reach MASTER_ADDR, unless the user
-set ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` (or ``slurm.socket_ifname`` exported them).
-"""
+"""The network interface for a rank's gloo/NCCL sockets on a multi-node job: the one routing to MASTER_ADDR."""
 
 from __future__ import annotations
 
@@ -15,8 +9,7 @@ from typing import Callable, Mapping, Optional
 import psutil
 
 SOCKET_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-# Any port: a UDP connect() only asks the kernel for a route, it sends nothing.
-_PROBE_PORT = 9
+_PROBE_PORT = 9  # any port: a UDP connect() only asks the kernel for a route, it sends nothing
 
 
 def _source_address(master_addr: str) -> Optional[str]:
@@ -77,8 +70,7 @@ def socket_env_hints(env: Mapping[str, str], nnodes: int,
     if nnodes <= 1 or not missing or not master:
         return {}
     found = route(master)
-    # A loopback route on a multi-node job means MASTER_ADDR names this host by a local-only
-    # address; binding to it would hide this rank from the others, so leave the choice to gloo/NCCL.
+    # A loopback route would hide this rank from the others: leave the choice to gloo/NCCL.
     if found is None or ipaddress.ip_address(found[0]).is_loopback:
         return {}
     return {k: found[1] for k in missing}

@@ -1,13 +1,6 @@
-"""Entry point that every srun / torchrun task runs: `python -m rhymerl.launch.rank_main CONFIG [overrides]`.
+"""Entry point that every srun / torchrun task runs: `python -m rhymerl.launch.rank_main CONFIG [overrides]`."""
 
-Rank and world size come from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or Slurm
-(SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID); MASTER_ADDR/MASTER_PORT from the sbatch script.
-On a multi-node job the gloo/NCCL socket interface is set before torch.distributed starts
-(rhymerl.launch.netif).
-"""
-
-# Before any other import: Slurm's warning signal can arrive while the task starts, and
-# without a handler SIGUSR1 kills the process.
+# Before any other import: without a handler, an early SIGUSR1 from Slurm kills the process.
 from rhymerl.launch.preemption import PreemptionHandler
 
 _PREEMPT = PreemptionHandler()

@@ -1,15 +1,4 @@
-"""`python -m rhymerl slurm render|submit CONFIG [overrides] [--dry-run]`.
-
-Renders one sbatch script from the run config's ``slurm`` and ``parallel`` sections:
-one srun task per GPU, each seeing all its node's GPUs (``--gpu-bind=none``; it uses
-``cuda:LOCAL_RANK``), or ``tasks_per_node`` CPU tasks with gloo when ``gpus_per_node: 0``;
-the gloo/NCCL socket interface (``slurm.socket_ifname``, else found by each rank);
-MASTER_ADDR = first host of the allocation, MASTER_PORT derived from the job id and probed
-on that host, a per-job log folder, and the preemption contract of slurm/README.md
-(``--signal=USR1@lead``, ``--requeue``, append-mode logs, the trainer checkpoints and
-requeues itself, and the restarted job resumes from ``checkpoint.resume: auto``).
-Each task runs ``python -m rhymerl.launch.rank_main CONFIG [overrides]``.
-"""
+"""`python -m rhymerl slurm render|submit CONFIG [overrides] [--dry-run]`: the sbatch script of a config."""
 
 from __future__ import annotations
 
@@ -26,12 +15,9 @@ from rhymerl.config import ConfigError, ParallelConfig, SlurmConfig, load_config
 from rhymerl.launch.preflight import preflight
 
 DEFAULT_ENTRY = ("-m", "rhymerl.launch.rank_main")
-# Below Linux's default ephemeral range (32768-60999), so an outgoing connection of
-# another process cannot hold the port we are about to listen on.
+# Below Linux's ephemeral range, so no outgoing connection can hold the port we are about to listen on.
 PORT_BASE, PORT_SPAN = 15000, 17000
-# Each job probes its own block of ports (by job id): with overlapping ranges, jobs with
-# adjacent ids starting together on one node probed the same free port and both took it.
-PORT_BLOCK = 64
+PORT_BLOCK = 64  # a block per job id: jobs starting together on one node probed the same free port
 
 
 def master_port_block(job_id: int) -> range:
@@ -44,10 +30,7 @@ _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
 def parse_slurm_time(text: str) -> Optional[int]:
-    """Seconds in a Slurm --time value; None for "UNLIMITED"/"INFINITE" or an empty value.
-
-    Formats (Slurm's): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-    """
+    """Seconds in a Slurm --time value (M, M:S, H:M:S, D-H, D-H:M, D-H:M:S); None if unlimited or empty."""
     t = text.strip()
     if t.upper() in ("", "UNLIMITED", "INFINITE"):
         return None
@@ -88,8 +71,6 @@ def layout(slurm: SlurmConfig, parallel: ParallelConfig) -> tuple[int, int]:
     if world % mp:
         raise ConfigError(f"parallel.tensor_parallel: TP*PP={mp} does not divide the {world} ranks of "
                           f"slurm.nodes={slurm.nodes} x {per_node} tasks per node")
-    if parallel.data_parallel and parallel.data_parallel * mp != world:
-        raise ConfigError(f"parallel.data_parallel: {parallel.data_parallel} x TP*PP={mp} != {world} ranks")
     if slurm.cpus_per_task < 1:
         raise ConfigError("slurm.cpus_per_task: must be >= 1")
     return per_node, world
@@ -100,10 +81,7 @@ def _rendezvous_host_lines(nodes: int) -> list[str]:
     if nodes == 1:
         return ["# Rendezvous: the first host of the allocation (where this script runs) hosts rank 0.",
                 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)']
-    # Across nodes the address must be reachable from the other hosts: the batch host's NodeAddr
-    # (what slurmctld itself uses to reach it) rather than a host name that may resolve only
-    # locally; the host name when NodeAddr cannot be read. RHYMERL_MASTER_ADDR overrides both
-    # (e.g. the address on a faster fabric).
+    # Across nodes: the batch host's NodeAddr (a host name may resolve only locally).
     return [
         "# Rendezvous: the first host of the allocation (where this script runs) hosts rank 0,",
         "# reached by the other nodes at its Slurm NodeAddr. RHYMERL_MASTER_ADDR overrides.",
@@ -118,8 +96,7 @@ def _rendezvous_host_lines(nodes: int) -> list[str]:
 
 
 def _socket_interface_lines(slurm: SlurmConfig) -> list[str]:
-    """Shell lines about the interface gloo/NCCL sockets use: the configured one, or a note that
-    each rank finds its own (rhymerl.launch.netif)."""
+    """Shell lines for the gloo/NCCL socket interface: the configured one, or a note that ranks find it."""
     name = slurm.socket_ifname
     if name:
         return ["# gloo/NCCL sockets on slurm.socket_ifname; a GLOO_/NCCL_SOCKET_IFNAME set at submission wins.",
@@ -141,8 +118,7 @@ def _srun_lines(slurm: SlurmConfig, per_node: int) -> list[str]:
     cpus = f"--cpus-per-task={slurm.cpus_per_task}"
     if slurm.gpus_per_node == 0:
         return lines + [f'srun --kill-on-bad-exit=1 {cpus} --open-mode=append --output="$JOB_LOG_DIR/rank-%t.log" \\']
-    # Stated on the srun line because a site default (--gpu-bind=single/closest, --gpus-per-task)
-    # would give each task its own subset of the GPUs, and cuda:LOCAL_RANK would then be wrong.
+    # On the srun line: a site default GPU binding would split the GPUs and cuda:LOCAL_RANK be wrong.
     return lines + [
         f"# GPU binding: {per_node} tasks per node, each seeing all {slurm.gpus_per_node} GPUs of its node in the same",
         "# order (--gpu-bind=none, so no site default splits them); a task uses cuda:LOCAL_RANK,",
@@ -155,11 +131,7 @@ def _srun_lines(slurm: SlurmConfig, per_node: int) -> list[str]:
 def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str, config_path: Path,
                   overrides: Sequence[str] = (), workdir: Optional[Path] = None, python: Optional[str] = None,
                   entry: Sequence[str] = DEFAULT_ENTRY, setup_lines: Sequence[str] = ()) -> str:
-    """The sbatch script (text). Paths are made absolute so the job does not depend on where sbatch ran.
-
-    ``entry``: what each task runs after the interpreter (default ``-m rhymerl.launch.rank_main``).
-    ``setup_lines``: shell lines run before srun (module loads, venv activation).
-    """
+    """The sbatch script (absolute paths); ``entry`` follows the interpreter, ``setup_lines`` precede srun."""
     per_node, world = layout(slurm, parallel)
     limit = parse_slurm_time(slurm.time)
     if slurm.signal_lead_s < 0 or slurm.signal_lead_s > 65535:
@@ -186,16 +158,12 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
           f"--output={log_dir}/%x-%j.out", "--open-mode=append", f"--chdir={workdir}"]
     if gpu:
         sb.append(f"--gpus-per-node={slurm.gpus_per_node}")
-    if slurm.mem_per_cpu_mb:
-        sb.append(f"--mem-per-cpu={slurm.mem_per_cpu_mb}")
     if slurm.partition:
         sb.append(f"--partition={slurm.partition}")
     if slurm.account:
         sb.append(f"--account={slurm.account}")
     if slurm.signal_lead_s:
-        # Without "B:" the signal goes to every process of the job steps, where
-        # rhymerl.launch.preemption.PreemptionHandler sets the flag the trainer polls; with it, to the
-        # batch shell, whose trap turns it into a notice file rank 0 polls.
+        # "B:" sends it to the batch shell, whose trap leaves a notice file; else to every task.
         sb.append(f"--signal={'B:' if slurm.signal_batch else ''}USR1@{slurm.signal_lead_s}")
     sb.append("--requeue" if slurm.requeue else "--no-requeue")
     for extra in slurm.extra_sbatch:
@@ -206,8 +174,7 @@ def render_script(slurm: SlurmConfig, parallel: ParallelConfig, *, job_name: str
             raise ConfigError(f"slurm.extra_sbatch: {extra!r} must be an sbatch option such as --exclusive")
         sb.append(extra)
 
-    task_cmd = " ".join(['"$PYTHON"', *map(q, entry), q(str(config_abs)),
-                         *map(q, overrides)])
+    task_cmd = " ".join(['"$PYTHON"', *map(q, entry), q(str(config_abs)), *map(q, overrides)])
     lines = ["#!/bin/bash"]
     lines += [f"#SBATCH {o}" for o in sb]
     lines += [
@@ -312,8 +279,7 @@ def write_script(text: str, log_dir: Path, job_name: str) -> Path:
 
 
 def sbatch(script: Path, text: Optional[str] = None) -> str:
-    """Submit ``script`` (or ``text`` on stdin, ``script`` being its saved copy); returns the job id.
-    Raises RuntimeError with sbatch's message on failure."""
+    """Submit ``script`` (or ``text`` on stdin); returns the job id, or raises RuntimeError with sbatch's message."""
     try:
         args = ["sbatch", "--parsable"] + ([] if text is not None else [str(script)])
         res = subprocess.run(args, input=text, capture_output=True, text=True, timeout=60)

@@ -1,18 +1,4 @@
-"""The trainer's own watch on the Slurm job's time limit.
-
-Slurm's warning signal (``--signal=USR1@lead``) is not enough on its own:
-
-- slurmctld checks time limits about every 30 s and sends the warning as soon as fewer than
-  ``lead + 30`` seconds are left, so it can come up to ~60 s early: while the batch shell or
-  the tasks are still starting;
-- sent to the tasks (no ``B:``) before srun has created the job step, it reaches nobody, and
-  Slurm sends it only once per start.
-
-So rank 0 asks Slurm for the time left once per (re)start and, at every step end, stops
-(checkpoint + requeue, as on USR1) when one more step would end with less than
-``slurm.signal_lead_s`` left. It asks again before acting, so a time limit an admin raised
-in the meantime is honoured.
-"""
+"""The trainer's own watch on the Slurm time limit (Slurm's warning may come early or reach nobody)."""
 
 from __future__ import annotations
 
@@ -56,10 +42,7 @@ def squeue_time_left(job_id: str, timeout_s: float = 20.0) -> Optional[float]:
 
 @dataclass
 class TimeLimitWatch:
-    """Decides at a step end whether to stop for the time limit.
-
-    ``query`` returns the seconds left (None: no limit); ``clock`` is monotonic seconds.
-    """
+    """Decides at a step end whether to stop; ``query`` returns the seconds left (None: no limit)."""
 
     lead_s: float
     query: Callable[[], Optional[float]]

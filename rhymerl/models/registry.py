@@ -9,22 +9,18 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rhymerl.outputs.atomic import atomic_folder
-from rhymerl.config import ModelConfig, ModelShape, TinyModelConfig
+from rhymerl.config import ModelConfig, ModelShape
 from rhymerl.models.errors import ModelError
+from rhymerl.models.tiny import TinyShape, write_tiny_model
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "llama",
-}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "MistralForCausalLM": "llama"}
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
 BUILTIN_TINY = "builtin:tiny"
 
 
 def cache_root(model_cfg: ModelConfig) -> Path:
-    if model_cfg.cache_dir:
-        return Path(model_cfg.cache_dir).expanduser()
+    """Where converted built-in models are kept: $RHYMERL_CACHE, else ~/.cache/rhymerl."""
     env = os.environ.get("RHYMERL_CACHE")
     if env:
         return Path(env).expanduser()
@@ -66,22 +62,33 @@ def validate_model_folder(folder: Path) -> dict:
 
 def model_shape(folder: Path) -> ModelShape:
     c = validate_model_folder(folder)
-    return ModelShape(
-        num_attention_heads=c["num_attention_heads"],
-        num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
-        num_hidden_layers=c["num_hidden_layers"],
-        vocab_size=c["vocab_size"],
-        hidden_size=c["hidden_size"],
-        intermediate_size=c.get("intermediate_size", 4 * c["hidden_size"]),
-    )
+    return ModelShape(num_attention_heads=c["num_attention_heads"],
+                      num_key_value_heads=c.get("num_key_value_heads", c["num_attention_heads"]),
+                      num_hidden_layers=c["num_hidden_layers"], vocab_size=c["vocab_size"],
+                      hidden_size=c["hidden_size"], intermediate_size=c.get("intermediate_size", 4 * c["hidden_size"]),
+                      max_position_embeddings=c.get("max_position_embeddings"))
+
+
+# SmolLM2-135M-Instruct's config.json (the shape the GGUF converts to).
+SMOLLM2_SHAPE = ModelShape(num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=30, vocab_size=49152,
+                           hidden_size=576, intermediate_size=1536, max_position_embeddings=8192)
+
+
+def builtin_shape(model_cfg: ModelConfig) -> ModelShape:
+    """A built-in model's shape, known without building it (preflight runs on login nodes)."""
+    if model_cfg.path == BUILTIN_SMOLLM2:
+        return SMOLLM2_SHAPE
+    if model_cfg.path == BUILTIN_TINY:
+        t = TinyShape()
+        return ModelShape(num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                          num_hidden_layers=t.num_hidden_layers, vocab_size=384, hidden_size=t.hidden_size,
+                          intermediate_size=t.intermediate_size, max_position_embeddings=t.max_position_embeddings)
+    raise ModelError(f"model.path: unknown built-in {model_cfg.path!r}; allowed: {BUILTIN_SMOLLM2!r}, "
+                     f"{BUILTIN_TINY!r}, or an HF folder")
 
 
 def check_backend_support(folder: Path, backend: str) -> None:
-    """Refuse, before any data is loaded, a model the chosen training backend cannot build.
-
-    DeepSpeed trains any supported HF architecture; the Megatron backend builds Llama/Qwen2-shaped
-    decoders only (no qk-norm, default RoPE, SiLU), and says which setting to change.
-    """
+    """Refuse, before any data loads, a model the backend cannot build (Megatron: Llama/Qwen2 shapes only)."""
     if backend != "megatron":
         return
     from rhymerl.resharding.layout import LayoutError, ModelLayout
@@ -114,20 +121,19 @@ def check_model_use(folder: Path, backend: str, chat_template: bool) -> None:
                          f"data.chat_template=false for plain 'user:/assistant:' prompts")
 
 
-def _tiny_key(tiny: TinyModelConfig, dtype: str) -> str:
+def _tiny_key(tiny: TinyShape, dtype: str) -> str:
     blob = json.dumps({**asdict(tiny), "dtype": dtype, "v": 1}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def resolve_model(model_cfg: ModelConfig) -> Path:
+def resolve_model(model_cfg: ModelConfig, tiny: TinyShape = TinyShape()) -> Path:
+    """The model folder ``model.path`` names (a built-in one made on first use; ``tiny``: its shape)."""
     path = model_cfg.path
     if path == BUILTIN_TINY:
-        from rhymerl.models.tiny import write_tiny_model
-
-        folder = cache_root(model_cfg) / f"tiny-{model_cfg.tiny.architecture}-{_tiny_key(model_cfg.tiny, model_cfg.dtype)}"
+        folder = cache_root(model_cfg) / f"tiny-{tiny.architecture}-{_tiny_key(tiny, model_cfg.dtype)}"
         if not (folder / "config.json").is_file():
             with atomic_folder(folder) as tmp:
-                write_tiny_model(tmp, model_cfg.tiny, model_cfg.dtype)
+                write_tiny_model(tmp, tiny, model_cfg.dtype)
     elif path == BUILTIN_SMOLLM2:
         from rhymerl.models.smollm2 import convert_smollm2
 

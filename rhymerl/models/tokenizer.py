@@ -1,9 +1,4 @@
-"""An offline tokenizer for the tiny test model, built with `tokenizers` alone.
-
-Byte-level BPE trained deterministically on a fixed corpus of arithmetic and chat
-text, so it covers every string (bytes fall back) while keeping the vocabulary small:
-a small vocabulary keeps the tiny model's embeddings and the sampling tests small.
-"""
+"""An offline tokenizer for the tiny test model: byte-level BPE trained deterministically on a fixed corpus."""
 
 from __future__ import annotations
 
@@ -37,12 +32,8 @@ def build_tokenizer(vocab_size: int = 384) -> Tokenizer:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(), trainer=trainer)
     return tok
 
@@ -54,13 +45,8 @@ def save_tokenizer(folder: Path, vocab_size: int = 384) -> int:
     tok.save(str(folder / "tokenizer.json"))
     eos = "<|im_end|>"
     config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": eos,
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "model_max_length": 4096,
-        "chat_template": CHAT_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": eos, "pad_token": "<|endoftext|>",
+        "unk_token": None, "model_max_length": 4096, "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
         "added_tokens_decoder": {
             str(tok.token_to_id(t)): {"content": t, "special": True, "lstrip": False, "rstrip": False,

@@ -1,2 +1,1 @@
-"""What a run writes and reads back: checkpoints, metrics and traces, W&B and console tracking,
-the HTML report."""
+"""What a run writes and reads back: checkpoints, metrics, traces, tracking and the HTML report."""

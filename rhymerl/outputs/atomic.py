@@ -52,11 +52,7 @@ def fsync_tree(root: Path) -> None:
 
 @contextmanager
 def atomic_folder(final: Path) -> Iterator[Path]:
-    """Yield a temp folder; on success it is fsynced and renamed to ``final``.
-
-    If ``final`` already exists (another process won the race) the temp folder is
-    discarded and the existing one is kept.
-    """
+    """Yield a temp folder, fsynced and renamed to ``final`` on success (an existing ``final`` wins the race)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=str(final.parent)))

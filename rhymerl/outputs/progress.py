@@ -1,10 +1,4 @@
-"""Live progress inside a step's long phases (rollout, training), for rank 0's console.
-
-A step of a reasoning run spends tens of seconds in rollout and training; without this,
-the console (or the Slurm log) is silent until the step's line. The owner of a phase
-reports counts as it goes (``update``); a line is written at most every ``interval_s``
-seconds, in place on a terminal and as plain lines in a log file, so logs stay short.
-"""
+"""Live progress inside a step's long phases on rank 0's console, at most a line every ``interval_s``."""
 
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ class PhaseProgress:
         self._done = 0
         self._counters: dict[str, float] = {}
         self._shown = False
-        # Set by the owner of the run (e.g. "step 3"): the phases' owners do not know the step.
-        self.context = ""
+        self.context = ""  # e.g. "step 3", set by the run's owner
 
     def start(self, label: str, total: int, unit: str) -> None:
         self._label, self._total, self._unit = label, total, unit

@@ -1,10 +1,4 @@
-"""Checkpoint state as JSON: plain data that round-trips exactly and runs no code when read.
-
-Pickles can execute code on load, and a checkpoint may come from any ``checkpoint.resume``
-path, so RhymeRL's own state files (counters, sampler and predictor state, RNG states) are
-JSON. What JSON lacks is tagged: tuples, dicts with non-string keys, bytes, numpy arrays and
-scalars, torch tensors (the RNG states). Anything else is refused when saving, naming where.
-"""
+"""Checkpoint state as tagged JSON: round-trips exactly and, unlike pickle, runs no code when read."""
 
 from __future__ import annotations
 

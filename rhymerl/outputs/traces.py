@@ -1,11 +1,4 @@
-"""Rollout trace files (JSONL), shared by the HistoSpec benchmark and the HistoPipe simulator.
-
-One line per response:
-  {"prompt_id": str|int, "epoch": int, "sample_idx": int, "token_ids": [int, ...],
-   "logprobs": [float, ...]?, "reward": float?, "prompt_token_ids": [int, ...]?}
-``logprobs`` (the sampled token's log-probability under the policy, one per token)
-enables sampled-acceptance replay; ``reward`` enables reward-aware drafting.
-"""
+"""Rollout trace files (JSONL, one response per line), shared by the HistoSpec benchmark and the simulator."""
 
 from __future__ import annotations
 
@@ -63,15 +56,10 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
         if not isinstance(d["epoch"], int) or not isinstance(d["sample_idx"], int):
             raise TraceError(f"{path}:{i}: epoch and sample_idx must be integers")
         rec = TraceRecord(
-            prompt_id=str(d["prompt_id"]),
-            epoch=d["epoch"],
-            sample_idx=d["sample_idx"],
-            token_ids=_int_list(d["token_ids"], str(path), i, "token_ids"),
-            logprobs=d.get("logprobs"),
-            reward=d.get("reward"),
-            prompt_token_ids=_int_list(d["prompt_token_ids"], str(path), i, "prompt_token_ids")
-            if d.get("prompt_token_ids") is not None else None,
-        )
+            prompt_id=str(d["prompt_id"]), epoch=d["epoch"], sample_idx=d["sample_idx"],
+            token_ids=_int_list(d["token_ids"], str(path), i, "token_ids"), logprobs=d.get("logprobs"),
+            reward=d.get("reward"), prompt_token_ids=_int_list(d["prompt_token_ids"], str(path), i, "prompt_token_ids")
+            if d.get("prompt_token_ids") is not None else None)
         if rec.logprobs is not None and len(rec.logprobs) != len(rec.token_ids):
             raise TraceError(f"{path}:{i}: logprobs has {len(rec.logprobs)} entries for {len(rec.token_ids)} tokens")
         out.append(rec)

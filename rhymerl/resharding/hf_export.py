@@ -1,14 +1,5 @@
 """`python -m rhymerl export CKPT --hf OUT`: a training-backend checkpoint -> an HF folder.
-
-CKPT is a run folder, a checkpoint folder (``step-*`` folders and their ``latest`` pointer), a
-step folder, or a backend checkpoint folder (it holds ``rhymerl_backend.json``). Above a step
-folder the checkpoint used is the one resuming would use: the newest *verified* step (``latest``
-is the hint; a truncated or half-written checkpoint is skipped with a warning), never the
-newest file time. Megatron checkpoints are loaded in this single process at TP=PP=1
-(dist_checkpointing reshards on load) and streamed out through the same exporter that feeds
-the rollout engine. The export is a complete model folder (every tokenizer and chat-template
-file the training model had), readable as the user's umask allows (not owner-only).
-"""
+CKPT: a run, checkpoint, step or backend folder; above a step folder, the newest *verified* step."""
 
 from __future__ import annotations
 
@@ -19,7 +10,14 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
+
+from rhymerl.config import AlgorithmConfig, CheckpointConfig, ParallelConfig
+from rhymerl.distributed.process_groups import destroy_process_groups, init_process_groups
+from rhymerl.outputs.atomic import atomic_folder
+from rhymerl.outputs.checkpoint import _STEP_RE, MANIFEST, CheckpointManager, verify_checkpoint
 from rhymerl.training.backend_checkpoint import BACKEND_META as META
+from rhymerl.training.megatron_backend import DTYPES, MegatronBackend
 
 
 class ExportError(ValueError):
@@ -27,8 +25,6 @@ class ExportError(ValueError):
 
 
 def _verified_step_backend(step_dir: Path) -> Path:
-    from rhymerl.outputs.checkpoint import verify_checkpoint
-
     reason = verify_checkpoint(step_dir)
     if reason is not None:
         raise ExportError(f"checkpoint {step_dir} is incomplete or damaged: {reason}")
@@ -39,9 +35,6 @@ def _verified_step_backend(step_dir: Path) -> Path:
 
 def find_backend_checkpoint(root: Path) -> Path:
     """The backend checkpoint folder that ``root`` designates (see the module docstring)."""
-    from rhymerl.outputs.checkpoint import MANIFEST, CheckpointManager, _STEP_RE
-    from rhymerl.config import CheckpointConfig
-
     root = Path(root)
     if not root.exists():
         raise ExportError(f"checkpoint {root} does not exist")
@@ -62,8 +55,6 @@ def find_backend_checkpoint(root: Path) -> Path:
 
 
 def _step_of_backend(ckpt: Path) -> str:
-    from rhymerl.outputs.checkpoint import _STEP_RE
-
     return ckpt.parent.name if ckpt.name == "backend" and _STEP_RE.match(ckpt.parent.name) else ckpt.name
 
 
@@ -77,10 +68,6 @@ def _share_like_umask(folder: Path) -> None:
 
 
 def _export_megatron(ckpt: Path, meta: dict) -> dict:
-    from rhymerl.config import AlgorithmConfig, ParallelConfig
-    from rhymerl.training.megatron_backend import MegatronBackend
-    from rhymerl.distributed.process_groups import destroy_process_groups, init_process_groups
-
     pc = ParallelConfig()
     groups = init_process_groups(pc, 1, 0)
     backend = MegatronBackend(pc, AlgorithmConfig(), ckpt / "hf_config", groups, dtype=meta.get("dtype", "float32"),
@@ -97,10 +84,7 @@ def _export_megatron(ckpt: Path, meta: dict) -> dict:
 
 
 def _export_deepspeed(ckpt: Path, meta: dict) -> dict:
-    import torch
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from rhymerl.training.megatron_backend import DTYPES
 
     sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="state")
     dtype = DTYPES[meta.get("dtype", "float32")]
@@ -112,8 +96,6 @@ def _export_deepspeed(ckpt: Path, meta: dict) -> dict:
 
 def export_checkpoint(checkpoint: Path, out: Path) -> Path:
     from safetensors.torch import save_file
-
-    from rhymerl.outputs.atomic import atomic_folder
 
     ckpt = find_backend_checkpoint(checkpoint)
     meta = json.loads((ckpt / META).read_text())

@@ -1,20 +1,4 @@
-"""Megatron-core <-> HF name and layout maps for Llama/Qwen2-shaped decoders.
-
-Pure tensor logic (no torch.distributed): which HF tensors make up each Megatron parameter,
-how a tensor-parallel rank's shard is cut from them, and how the shards of all TP ranks are put
-back into HF tensors.
-
-Megatron layouts (local transformer spec, 0.16.1):
-- ``linear_qkv`` is fused per query group: for each of the ``ng`` KV groups, its ``np/ng`` query
-  heads, then its key head, then its value head (rows of ``head_dim``). TP ranks own contiguous
-  groups, so the TP-concatenated tensor does not depend on the TP size.
-- ``linear_fc1`` holds ``[gate; up]`` *per TP shard*: the concatenation over ranks is
-  ``[g0, u0, g1, u1, ...]``, so it is split per shard before the halves are joined.
-- Column-parallel weights (qkv, fc1, embedding, output layer) split dim 0 across TP;
-  row-parallel ones (linear_proj, fc2) split dim 1; norms are replicated.
-- Pipeline stage ``s`` of ``pp`` holds global layers ``[s*L/pp, (s+1)*L/pp)`` under local
-  indices starting at 0; the embedding lives on stage 0, final norm and output layer on the last.
-"""
+"""Megatron-core <-> HF name and layout maps for Llama/Qwen2 decoders."""
 
 from __future__ import annotations
 
@@ -67,20 +51,14 @@ class ModelLayout:
             raise LayoutError(f"{where}: sliding-window attention is not supported")
         heads = config["num_attention_heads"]
         return cls(
-            arch=arch,
-            num_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            num_heads=heads,
+            arch=arch, num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"], num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            ffn_hidden_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
+            ffn_hidden_size=config["intermediate_size"], vocab_size=config["vocab_size"],
             tied=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
-            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
-        )
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)))
 
     def check_parallel(self, tp: int, pp: int) -> None:
         for what, n, size, key in (("attention heads", self.num_heads, tp, "tensor_parallel"),
@@ -236,8 +214,7 @@ def global_name(local: str, layout: ModelLayout, pp: int, pp_rank: int) -> str:
 
 
 def iter_stage_specs(layout: ModelLayout, pp: int, pp_rank: int, embedding_on_last: bool = True) -> Iterator[ParamSpec]:
-    """The parameters stage ``pp_rank`` holds. With tied embeddings and PP > 1 the last stage keeps
-    its own copy of the embedding as ``output_layer.weight`` (megatron all-reduces their grads)."""
+    """The parameters stage ``pp_rank`` holds (tied and PP > 1: the last stage's ``output_layer.weight`` too)."""
     for spec in param_specs(layout, pp):
         if spec.stage == pp_rank:
             yield spec

@@ -1,12 +1,5 @@
-"""Streaming export of full HF-named tensors from a TP/PP-sharded Megatron model.
-
-Parameters are visited in HF order. The owning pipeline stage all-gathers a parameter over its
-TP group and converts it to HF layout; the result is broadcast over the PP group, so every rank
-yields the same buckets. A bucket is handed out *before* the next parameter is gathered once that
-parameter would overflow it, so at most one bucket (plus the parameter being converted) is
-alive at a time. Tensors that need no conversion (TP = PP = 1, unfused) are views of the live
-parameters: consumers copy them (as ``load_weights`` does) before the next optimizer step.
-"""
+"""Streaming export of full HF-named tensors from a TP/PP-sharded Megatron model, the same buckets on every
+rank. Unconverted tensors are views of live parameters: consumers copy them before the next step."""
 
 from __future__ import annotations
 
@@ -57,11 +50,7 @@ def _gather_tp(local: torch.Tensor, groups) -> list[torch.Tensor]:
 def export_hf_buckets(module: torch.nn.Module, layout: ModelLayout, groups, bucket_bytes: int,
                       dtype: Optional[torch.dtype] = None, stats: Optional[HFExportStats] = None,
                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Yield lists of ``(hf_name, tensor)`` of at most ``bucket_bytes`` each (one tensor may exceed it).
-
-    ``groups`` is a ``ProcessGroups`` (or None for a single unsharded process). Collective: every
-    rank of the model-parallel group must iterate to the end.
-    """
+    """Yield ``(hf_name, tensor)`` buckets of at most ``bucket_bytes``; every rank must iterate to the end."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
     stats = stats if stats is not None else HFExportStats()
@@ -105,8 +94,7 @@ def _one_param(spec: ParamSpec, params: dict, layout: ModelLayout, groups, tp: i
         gathered = 0 if tp == 1 else sum(s.numel() * s.element_size() for s in shards)
         hf = hf_from_shards(spec, layout, shards)
         made = sum(_owned(t, local) for _, t in hf)
-        # Shards and their conversion are alive together for a moment.
-        stats.observe(owned_before + gathered + made)
+        stats.observe(owned_before + gathered + made)  # Shards and their conversion are alive together for a moment.
         hf = [(n, t if t.dtype == dtype else t.to(dtype)) for n, t in hf]
     else:
         hf = [(n, torch.empty(s, dtype=dtype, device=groups.device))

@@ -1,27 +1,8 @@
-"""Verifiable rewards: math-verify for math, exact match / reasoning-gym's own
-scoring for the built-in synthetic tasks, and a process pool with timeouts."""
+"""Verifiable rewards: math-verify, exact match / reasoning-gym scoring, and a process pool with timeouts."""
 
 from rhymerl.rewards.pool import RewardPool, score_one
-from rhymerl.rewards.scorers import (
-    BUILTIN_SCORERS,
-    RewardItem,
-    RewardResult,
-    exact_score,
-    extract_answer,
-    last_boxed,
-    math_verify_score,
-    resolve_kind,
-)
+from rhymerl.rewards.scorers import (BUILTIN_SCORERS, RewardItem, RewardResult, exact_score, extract_answer, last_boxed,
+                                     math_verify_score, resolve_kind)
 
-__all__ = [
-    "BUILTIN_SCORERS",
-    "RewardItem",
-    "RewardPool",
-    "RewardResult",
-    "exact_score",
-    "extract_answer",
-    "last_boxed",
-    "math_verify_score",
-    "resolve_kind",
-    "score_one",
-]
+__all__ = ["BUILTIN_SCORERS", "RewardItem", "RewardPool", "RewardResult", "exact_score", "extract_answer", "last_boxed",
+           "math_verify_score", "resolve_kind", "score_one"]

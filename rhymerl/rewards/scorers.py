@@ -1,8 +1,4 @@
-"""Reward items, results, answer extraction and the built-in scorers.
-
-A scorer is a module-level function ``(item: RewardItem) -> float | RewardResult``
-so that it pickles by reference into spawned worker processes.
-"""
+"""Reward items, results, answer extraction and the built-in scorers (module-level, so they pickle)."""
 
 from __future__ import annotations
 
@@ -12,7 +8,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Callable, Optional, Union
 
-# The item kinds the built-in scorers understand; "auto" picks one per item.
 KINDS = ("auto", "math_verify", "exact")
 
 
@@ -23,8 +18,7 @@ class RewardItem:
     response_text: str
     answer: str  # the gold answer
     kind: str = "auto"
-    # For reasoning-gym entries: the entry's metadata (its "source_dataset" selects
-    # the dataset's own score_answer). Must be picklable.
+    # reasoning-gym entries' metadata ("source_dataset" selects its score_answer); picklable.
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -35,15 +29,13 @@ class RewardResult:
     extracted: Optional[str] = None
     timed_out: bool = False
     error: Optional[str] = None
-    # Seconds spent inside the scorer (not counting pool transport).
-    elapsed_s: float = 0.0
+    elapsed_s: float = 0.0  # inside the scorer
 
 
 Scorer = Callable[[RewardItem], Union[float, RewardResult]]
 
 _ANSWER_TAG = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)
-# A final-answer line, "Answer: 42" (markdown emphasis around the label allowed): the format
-# data.answer_format=step_by_step asks for.
+# A final-answer line, "Answer: 42" (markdown emphasis allowed): data.answer_format=step_by_step.
 _ANSWER_LINE = re.compile(r"^[ \t>#*_]*(?:final )?answer[*_]*[ \t]*[:=][*_]*[ \t]*(.*?)[ \t*_.]*$", re.IGNORECASE | re.MULTILINE)
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
@@ -66,14 +58,8 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 def extract_answer(text: str) -> Optional[str]:
-    """The final answer of a response, by precedence.
-
-    1. the last ``<answer>...</answer>`` (reasoning-gym's format);
-    2. the last non-empty ``Answer: ...`` line (a ``\\boxed{}`` in it wins);
-    3. the last ``\\boxed{...}``;
-    4. the last number on the last non-empty line ("... so the answer is -129.");
-    5. that last line itself.
-    """
+    """The final answer of a response: the last ``<answer>`` tag, else the last ``Answer:`` line, else the last
+    ``\\boxed{}``, else the last number on the last line, else that line."""
     tags = _ANSWER_TAG.findall(text)
     if tags:
         return tags[-1].strip()
@@ -98,8 +84,7 @@ def _normalise(s: str) -> str:
     s = re.sub(r"\s+", " ", s)
     if s.endswith(".") and not _NUMBER.fullmatch(s):
         s = s[:-1].rstrip()
-    # Numeric answers compare as numbers ("12.0" == "12", "1,000" == "1000").
-    n = s.replace(",", "")
+    n = s.replace(",", "")  # Numeric answers compare as numbers ("12.0" == "12", "1,000" == "1000").
     if _NUMBER.fullmatch(n):
         try:
             f = float(n)
@@ -117,12 +102,7 @@ def _rg_score_fn(name: str):
 
 
 def exact_score(item: RewardItem) -> RewardResult:
-    """Exact match for the built-in synthetic tasks.
-
-    A reasoning-gym entry (``metadata["source_dataset"]`` names a registered
-    dataset) is scored by that dataset's own ``score_answer`` (which may give
-    partial credit); anything else by normalised string/number equality.
-    """
+    """A reasoning-gym entry by its dataset's ``score_answer``; anything else by normalised equality."""
     extracted = extract_answer(item.response_text)
     source = item.metadata.get("source_dataset") if item.metadata else None
     if source:
@@ -135,25 +115,17 @@ def exact_score(item: RewardItem) -> RewardResult:
 
 
 def _mv_timeout() -> Optional[int]:
-    # math-verify times out with signal.alarm, which only works in a main thread;
-    # elsewhere (a thread of the trainer with workers=0) it raises, so run without it.
+    # math-verify's signal.alarm raises outside a main thread: run without a timeout there.
     if threading.current_thread() is not threading.main_thread():
         return None
     return _MV_TIMEOUT_S
 
 
-# Per parse/compare; the pool's hard timeout is the backstop above it.
-_MV_TIMEOUT_S = 2
+_MV_TIMEOUT_S = 2  # per parse/compare; the pool's hard timeout is the backstop above it
 
 
 def math_verify_score(item: RewardItem) -> RewardResult:
-    """math-verify: parse gold and prediction to SymPy, compare symbolically/numerically.
-
-    The prediction is parsed from the ``<answer>`` tag's content when present,
-    else from the whole response (math-verify finds ``\\boxed{}``, "final answer
-    is", LaTeX and plain expressions itself). A plain gold (``1/2``) is read as
-    LaTeX-math so that ``\\frac12``, ``0.5`` and ``1/2`` all match.
-    """
+    """math-verify: parse gold (as LaTeX-math) and prediction to SymPy and compare them."""
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     t = _mv_timeout()
@@ -181,9 +153,7 @@ BUILTIN_SCORERS: dict[str, Scorer] = {"math_verify": math_verify_score, "exact":
 
 
 def resolve_kind(item: RewardItem, cfg_kind: str) -> str:
-    """The scorer name for an item: the config's kind unless "auto", then the item's;
-    an "auto" item goes to the reasoning-gym/exact scorer when it carries a
-    reasoning-gym ``source_dataset``, else to math-verify."""
+    """The config's kind unless "auto", then the item's; else exact for reasoning-gym items, else math-verify."""
     if cfg_kind != "auto":
         return cfg_kind
     if item.kind != "auto":

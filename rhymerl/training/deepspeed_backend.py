@@ -1,11 +1,4 @@
-"""DeepSpeed ZeRO (stage 0-3) backend for HF ``transformers`` models, with the same interface.
-
-Data parallel only (ZeRO shards optimizer state, gradients and, at stage 3, parameters). The
-optimizer is a plain ``torch.optim.AdamW`` handed to DeepSpeed, which avoids DeepSpeed's JIT-built
-Adam kernels. Gradient accumulation over token-budget micro-batches is driven explicitly
-(``set_gradient_accumulation_boundary``) so one ``train_step`` is exactly one optimizer step,
-whatever the number of micro-batches.
-"""
+"""DeepSpeed ZeRO (stage 0-3) backend for HF ``transformers`` models (plain AdamW: no JIT-built kernels)."""
 
 from __future__ import annotations
 
@@ -27,8 +20,7 @@ from rhymerl.distributed.process_groups import ProcessGroups
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[B, T] log p(x_t | x_<t) from the logits [B, K, V] of the last K positions; 0 where
-    nothing was scored (t = 0 and the positions before the last K)."""
+    """[B, T] log p(x_t | x_<t) from the logits [B, K, V] of the last K positions; 0 where nothing was scored."""
     if temperature != 1.0:
         logits = logits / temperature
     T, K = input_ids.shape[1], logits.shape[1]
@@ -37,15 +29,10 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
 
 
 def deepspeed_config(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, dtype: str) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        # DeepSpeed's own default (1.0) would clip even when the user asked for none.
-        "gradient_clipping": float(algo_cfg.grad_clip),
-        "zero_optimization": {"stage": int(parallel_cfg.zero_stage)},
-        "steps_per_print": 10 ** 9,
-        "wall_clock_breakdown": False,
-    }
+    # gradient_clipping: DeepSpeed's own default (1.0) would clip even when the user asked for none.
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "gradient_clipping": float(algo_cfg.grad_clip), "zero_optimization": {"stage": int(parallel_cfg.zero_stage)},
+           "steps_per_print": 10 ** 9, "wall_clock_breakdown": False}
     if dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "float16":
@@ -56,12 +43,11 @@ def deepspeed_config(parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, dt
 class DeepSpeedBackend:
     """``TrainingBackend`` on DeepSpeed ZeRO. Construct through ``rhymerl.training.build_backend``."""
 
-    # A rhymerl.outputs.progress.PhaseProgress (rank 0's console) or None; set by the trainer.
-    progress = None
+    progress = None  # a PhaseProgress (rank 0's console) or None; set by the trainer
 
     def __init__(self, parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path,
-                 groups: ProcessGroups, dtype: str = "float32", seed: int = 0, *,
-                 temperature: float = 1.0, loss_fn=None, train: bool = True):
+                 groups: ProcessGroups, dtype: str = "float32", seed: int = 0, *, temperature: float = 1.0,
+                 loss_fn=None, train: bool = True):
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -82,8 +68,7 @@ class DeepSpeedBackend:
             self.engine, self.optimizer = model.requires_grad_(False).eval(), None
             self.module = model
             return
-        # deepspeed.initialize insists on LOCAL_RANK, which only torchrun/srun-style launchers set;
-        # a single-process run (`python -m rhymerl train`) has none.
+        # deepspeed.initialize insists on LOCAL_RANK, which a single-process run lacks.
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
         a = algo_cfg
         optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=tuple(a.betas), eps=a.adam_eps,
@@ -92,8 +77,6 @@ class DeepSpeedBackend:
             model=model, optimizer=optimizer, config=deepspeed_config(parallel_cfg, algo_cfg, dtype),
             dist_init_required=False)
         self.module = self.engine.module
-
-    # ------------------------------------------------------------------ forward
 
     def _forward_lp(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # Logits only where they score a response token (see ``unscored_prefix``).
@@ -123,8 +106,6 @@ class DeepSpeedBackend:
             self.engine.train()
         full = unpermute_rows(self._gather_dp(local.float(), plan.rows_per_rank), perm)
         return full[:B] * response_mask.to(full.dtype)
-
-    # ------------------------------------------------------------------ training
 
     def train_step(self, batch: PolicyBatch) -> StepMetrics:
         if self._loss_fn is None:
@@ -171,8 +152,6 @@ class DeepSpeedBackend:
         return StepMetrics(loss=sum(l for l, _ in parts), grad_norm=float(grad_norm or 0.0),
                            lr=float(self.optimizer.param_groups[0]["lr"]), extra=extra)
 
-    # ------------------------------------------------------------------ weights out
-
     def export_hf_weights(self, bucket_bytes: int, stats=None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named tensors in buckets; under ZeRO-3 each parameter is gathered, copied and released."""
         import deepspeed
@@ -193,8 +172,6 @@ class DeepSpeedBackend:
             used += t.numel() * t.element_size()
         if bucket:
             yield bucket
-
-    # ------------------------------------------------------------------ checkpoints
 
     def save_checkpoint(self, folder: Path) -> None:
         if self.optimizer is None:

@@ -1,9 +1,4 @@
-"""Start N local ranks of a Python script on loopback (what torchrun does, minus its start-up cost).
-
-Used by multi-rank tests and benchmarks on one host. Each rank gets RANK, WORLD_SIZE,
-LOCAL_RANK, MASTER_ADDR and MASTER_PORT. The script needs an ``if __name__ == "__main__":``
-guard: megatron's dist_checkpointing re-imports the main module in a child process.
-"""
+"""Start N local ranks of a script on loopback (its ``__main__`` guard is needed: megatron re-imports it)."""
 
 from __future__ import annotations
 
@@ -11,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -42,8 +38,6 @@ def run_ranks(script: Path, args: Sequence[str], nproc: int, timeout_s: float = 
             log_dir.mkdir(parents=True, exist_ok=True)
             f = open(log_dir / f"rank{rank}.log", "w+b")
         else:
-            import tempfile
-
             f = tempfile.TemporaryFile()
         logs.append(f)
         procs.append(subprocess.Popen([sys.executable, str(script), *args], env=e, stdout=f, stderr=subprocess.STDOUT))

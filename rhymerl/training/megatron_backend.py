@@ -1,12 +1,4 @@
-"""Megatron-core policy backend: TP/PP/DP training of an HF Llama/Qwen2 model.
-
-The HF config is translated into a ``GPTModel`` with the local (no Transformer Engine) layer
-spec; each rank reads only its TP/PP shard of the safetensors. Log-probs are computed
-vocab-parallel (``vocab_parallel_cross_entropy``: each TP rank keeps its slice of the vocabulary,
-only per-token max/sum statistics cross ranks). Micro-batches follow a token budget and run
-through megatron's pipeline schedule (``get_forward_backward_func``); gradients are reduced by
-megatron's DDP wrapper and stepped by megatron's optimizer.
-"""
+"""Megatron-core policy backend: TP/PP/DP training of an HF Llama/Qwen2 model (local, non-TE layer spec)."""
 
 from __future__ import annotations
 
@@ -19,16 +11,18 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+import megatron_patches
+from rhymerl.algorithms.losses import policy_loss
 from rhymerl.config import AlgorithmConfig, ParallelConfig
-from rhymerl.distributed.devices import autocast, autocast_dtype, bound_cpu_kernel_cache, float32_backward, without_autocast
-from rhymerl.resharding.stream import HFExportStats, export_hf_buckets
+from rhymerl.distributed.process_groups import ProcessGroups
 from rhymerl.resharding.layout import ModelLayout, iter_stage_specs, shard_from_hf
+from rhymerl.resharding.stream import HFExportStats, export_hf_buckets
 from rhymerl.training.backend_checkpoint import read_backend_meta, save_backend_checkpoint, shield_megatron_writer
 from rhymerl.training.base import PolicyBatch, StepMetrics
 from rhymerl.training.micro_loss import micro_batch_loss, rows_to_train
 from rhymerl.training.microbatch import (left_pad_columns, pad_columns, plan_micro_batches, policy_micro_batches,
-                                        rank_slice, split_micro, split_policy_rows, unpermute_rows, unscored_prefix)
-from rhymerl.distributed.process_groups import ProcessGroups
+                                         rank_slice, split_micro, split_policy_rows, unpermute_rows, unscored_prefix)
+from rhymerl.training.sdpa_attention import SdpaDotProductAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,9 +65,7 @@ def transformer_config(layout: ModelLayout, tp: int, pp: int, dtype: torch.dtype
                        recompute_norms: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    # Full recomputation, one layer per checkpoint: backward keeps only each layer's input
-    # (rhymerl.distributed.memory_plan counts activations the same way). Selective "layernorm"
-    # recomputation frees the norms' outputs once the next linear layer has read them.
+    # Full recomputation, one layer per checkpoint, as memory_plan counts activations.
     if recompute:
         recompute_kw = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif recompute_norms:
@@ -94,8 +86,7 @@ def transformer_config(layout: ModelLayout, tp: int, pp: int, dtype: torch.dtype
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=False,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         # Weights come from the HF folder: skip megatron's random init.
-        use_cpu_initialization=True, perform_initialization=False,
-    )
+        use_cpu_initialization=True, perform_initialization=False)
 
 
 def combine_metrics(per_micro: list[dict]) -> dict:
@@ -123,8 +114,6 @@ def layer_spec(attention: str):
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if attention == "sdpa":
-        from rhymerl.training.sdpa_attention import SdpaDotProductAttention
-
         spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
     elif attention != "unfused":
         raise ValueError(f"parallel.attention: {attention!r} not allowed; allowed: sdpa, unfused")
@@ -134,17 +123,13 @@ def layer_spec(attention: str):
 class MegatronBackend:
     """``TrainingBackend`` on megatron-core. Construct through ``rhymerl.training.build_backend``."""
 
-    # A rhymerl.outputs.progress.PhaseProgress (rank 0's console) or None; set by the trainer.
-    progress = None
+    progress = None  # a PhaseProgress (rank 0's console) or None; set by the trainer
 
     def __init__(self, parallel_cfg: ParallelConfig, algo_cfg: AlgorithmConfig, model_path: Path,
-                 groups: ProcessGroups, dtype: str = "float32", seed: int = 0, *,
-                 temperature: float = 1.0, loss_fn: Optional[LossFn] = None, train: bool = True,
-                 load_weights: bool = True):
+                 groups: ProcessGroups, dtype: str = "float32", seed: int = 0, *, temperature: float = 1.0,
+                 loss_fn: Optional[LossFn] = None, train: bool = True, load_weights: bool = True):
         from megatron.core import tensor_parallel
         from megatron.core.models.gpt import GPTModel
-
-        import megatron_patches
 
         if groups.device.type == "cpu" and not megatron_patches.applied():
             raise RuntimeError("megatron-core on a CPU host needs megatron_patches.apply_all('cpu') first "
@@ -166,10 +151,6 @@ class MegatronBackend:
         self.parallel_cfg, self.algo_cfg, self.groups = parallel_cfg, algo_cfg, groups
         self.model_path = Path(model_path)
         self.dtype_name, self.dtype = dtype, DTYPES[dtype]
-        # The dtype the layers' matmuls run in (parallel.autocast); None: the weights' own.
-        self.autocast_dtype = autocast_dtype(parallel_cfg.autocast, groups.device, self.dtype)
-        if self.autocast_dtype is not None and groups.device.type == "cpu":
-            bound_cpu_kernel_cache()
         self.temperature = float(temperature)
         self.hf_config = read_hf_config(self.model_path)
         self.layout = ModelLayout.from_hf_config(self.hf_config, where=str(self.model_path / "config.json"))
@@ -188,23 +169,17 @@ class MegatronBackend:
             vocab_size=self.layout.vocab_size, max_sequence_length=self.layout.max_position_embeddings,
             pre_process=groups.is_first_stage, post_process=groups.is_last_stage,
             share_embeddings_and_output_weights=self.layout.tied, position_embedding_type="rope",
-            rotary_base=int(self.layout.rope_theta), parallel_output=True,
-        ).to(groups.device)
+            rotary_base=int(self.layout.rope_theta), parallel_output=True).to(groups.device)
         # load_weights=False leaves the weights uninitialised for a checkpoint load to fill.
         self._load_hf_weights(model, SafetensorsReader(self.model_path) if load_weights else None)
-        # Positions the output layer skips in the current forward (``_run`` sets it per micro-batch).
-        self._unscored_prefix = 0
+        self._unscored_prefix = 0  # positions the output layer skips in the current forward
         if groups.is_last_stage:
             model.output_layer.register_forward_pre_hook(self._output_layer_input, with_kwargs=True)
-            if self.autocast_dtype is not None:
-                model.output_layer.forward = self._float32_output(model.output_layer.forward)
         self.module = model
         self.model = model
         self.optimizer = None
         if train:
             self._setup_training()
-
-    # ------------------------------------------------------------------ construction
 
     def _load_hf_weights(self, model: torch.nn.Module, reader: Optional[SafetensorsReader]) -> None:
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
@@ -222,8 +197,7 @@ class MegatronBackend:
                     if tuple(shard.shape) != tuple(params[name].shape):
                         raise RuntimeError(f"{name}: HF gives shape {tuple(shard.shape)}, megatron expects {tuple(params[name].shape)}")
                     params[name].copy_(shard)
-                # megatron sets these only inside its random init (skipped here); without them the
-                # grad norm counts TP-sharded weights on TP rank 0 only.
+                # Set only by megatron's (skipped) init; else the grad norm counts TP shards once.
                 if spec.tp_dim is not None and not hasattr(params[name], "tensor_model_parallel"):
                     set_tensor_model_parallel_attributes(params[name], True, spec.tp_dim, 1)
                 seen.add(name)
@@ -232,13 +206,13 @@ class MegatronBackend:
             raise RuntimeError(f"no HF weights mapped to megatron parameters {missing}")
 
     def _setup_training(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         a = self.algo_cfg
-        ddp_cfg = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=self.parallel_cfg.distributed_optimizer)
+        ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                use_distributed_optimizer=self.parallel_cfg.distributed_optimizer)
         self.model = DistributedDataParallel(config=self.config, ddp_config=ddp_cfg, module=self.module)
         self.config.finalize_model_grads_func = finalize_model_grads
         opt_cfg = OptimizerConfig(
@@ -248,36 +222,15 @@ class MegatronBackend:
             use_distributed_optimizer=self.parallel_cfg.distributed_optimizer)
         self.optimizer = get_megatron_optimizer(opt_cfg, [self.model])
 
-    # ------------------------------------------------------------------ forward
-
     def _output_layer_input(self, module, args, kwargs):
-        # The prompt's positions before its last token predict nothing that is scored, yet the
-        # output layer and the cross entropy over the vocabulary cost a fifth of a step's FLOPs
-        # per position in a small model: the [s, b, h] input is cut to the scored positions.
+        # Prompt positions predict nothing scored, yet the output layer is costly: cut them off.
         h = args[0]
         if self._unscored_prefix:
             h = h[self._unscored_prefix:]
-        # logits / T == (hidden / T) @ W: dividing the [tokens, hidden] input spares a pass over
-        # the [tokens, vocabulary] logits, which megatron's loss path never hands back to us.
+        # logits / T == (hidden / T) @ W; megatron's loss path never hands the logits back to us.
         if self.temperature != 1.0:
             h = h / self.temperature
         return (h,) + tuple(args[1:]), kwargs
-
-    @property
-    def matmul_dtype_name(self) -> str:
-        """The dtype the layers' matmuls run in, by name ("bfloat16" under autocast)."""
-        return str(self.autocast_dtype or self.dtype).removeprefix("torch.")
-
-    def _float32_output(self, forward: Callable) -> Callable:
-        # A bfloat16 [tokens, vocabulary] product would carry log-prob errors of a few hundredths
-        # per token into the loss; the output layer costs a tenth of a small model's step.
-        device = self.groups.device
-
-        def output_forward(h, *args, **kwargs):
-            with without_autocast(device):
-                logits, bias = forward(h.float(), *args, **kwargs)
-            return float32_backward(logits, device), bias
-        return output_forward
 
     @staticmethod
     def _next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
@@ -286,22 +239,17 @@ class MegatronBackend:
 
     @staticmethod
     def _token_logprobs(nll: torch.Tensor, width: int) -> torch.Tensor:
-        """[B, width] log p(x_t | x_<t) from megatron's per-position cross entropy against
-        ``_next_token_targets``, which covers the last ``nll.shape[1]`` positions; 0 where
-        nothing was scored (t = 0 and the skipped prompt positions)."""
+        """[B, width] log p(x_t | x_<t) from megatron's cross entropy; 0 where nothing was scored."""
         return left_pad_columns(-nll[:, :-1], width)
 
     def _recompute_over(self, tokens: int) -> bool:
-        """Whether a training micro-batch of ``tokens`` recomputes its layers in backward: it is
-        over the budget and the model does not already recompute."""
+        """Whether a micro-batch of ``tokens`` over the budget recomputes its layers (if not already)."""
         return (self.parallel_cfg.recompute_over_budget and self.config.recompute_granularity is None
                 and tokens > self.algo_cfg.micro_batch_tokens)
 
     @contextmanager
     def _full_recompute(self):
-        # Megatron's block reads the granularity at each forward, and the checkpoints it makes
-        # carry their own recomputation into backward, so switching it for one micro-batch's
-        # forward is enough; the next micro-batch sees the config as built.
+        # Read at each forward, and checkpoints carry their recomputation: one forward's switch suffices.
         c = self.config
         saved = c.recompute_granularity, c.recompute_method, c.recompute_num_layers
         c.recompute_granularity, c.recompute_method, c.recompute_num_layers = "full", "uniform", 1
@@ -328,12 +276,8 @@ class MegatronBackend:
             seen += 1
             tokens_seen += int(mb["input_ids"].numel())
             ids = mb["input_ids"].to(g.device)
-            # Without pipeline stages each micro-batch may be cut to its own longest row.
             pos = torch.arange(ids.shape[1], device=g.device).unsqueeze(0).expand(ids.shape[0], -1)
-            # With labels, megatron's output layer hands its [s, b, V] logits straight to the
-            # vocab-parallel cross entropy, which turns them into its softmax in place: one
-            # logits buffer per micro-batch, the largest tensor of a step. Without labels it
-            # returns a [b, s, V] copy, and its backward a contiguous copy of the gradient.
+            # With labels the cross entropy runs in place; without, megatron returns a [b, s, V] copy.
             labels = None
             if with_labels:
                 self._unscored_prefix = unscored_prefix(mb["mask"])
@@ -349,14 +293,9 @@ class MegatronBackend:
                 self._unscored_prefix = 0
             return out, partial(loss_func, mb)
 
-        # The region covers backward too. Megatron's linear layers are autograd Functions whose
-        # backward re-enters the forward's autocast state only on CUDA (custom_bwd), and a layer
-        # recomputed in backward must run in the dtypes its forward ran in; inside the region
-        # both hold on every device.
-        with autocast(g.device, self.autocast_dtype):
-            out = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
-                num_microbatches=len(micro), seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
+            num_microbatches=len(micro), seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
         if progress is not None:
             progress.finish()
         return out
@@ -400,8 +339,7 @@ class MegatronBackend:
         return torch.cat([p.cpu()[: plan.rows_per_rank] for p in parts], dim=0)
 
     def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits / temperature [B, T, V] on every rank. For parity tests and
-        debugging only: it gathers the vocabulary, which the training path never does."""
+        """Full-vocabulary logits / temperature [B, T, V] on every rank (parity tests and debugging only)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         g = self.groups
@@ -423,13 +361,9 @@ class MegatronBackend:
             local = torch.cat([o["logits"] for o in out], dim=0)
         return self._gather_dp(self._broadcast_from_last_stage(local), plan)[:B]
 
-    # ------------------------------------------------------------------ training
-
     def _policy_loss(self) -> LossFn:
         if self._loss_fn is not None:
             return self._loss_fn
-        from rhymerl.algorithms.losses import policy_loss
-
         return policy_loss
 
     def train_step(self, batch: PolicyBatch) -> StepMetrics:
@@ -442,8 +376,7 @@ class MegatronBackend:
         batch, skipped = rows_to_train(batch, self.algo_cfg, loss_fn)
         plan, micro = policy_micro_batches(batch, g.dp_size, g.dp_rank, self.algo_cfg.micro_batch_tokens,
                                            fixed_shape=g.pp_size > 1)
-        # The schedule divides each micro-batch loss by their number and megatron's DDP averages
-        # over DP ranks; the policy loss is already this shard's share of the global batch loss.
+        # Undo the schedule's and DDP's averaging: the loss is already this shard's share.
         scale = plan.num_micro * g.dp_size
 
         def loss_func(mb, nll):
@@ -480,12 +413,8 @@ class MegatronBackend:
         return StepMetrics(loss=float(loss), grad_norm=float(grad_norm or 0.0),
                            lr=float(self.optimizer.param_groups[0]["lr"]), extra=extra)
 
-    # ------------------------------------------------------------------ colocation
-
     def offload_training_state(self) -> None:
-        """Free what the rollout does not need. Gradient buffers are released (every step zeroes
-        them first, so nothing is lost); on CUDA the optimizer state moves to host memory
-        (megatron's own RL offload), and a frozen copy (the KL reference) moves its weights there."""
+        """Free gradient buffers; on CUDA move the optimizer state (or a frozen copy's weights) to host."""
         cuda = self.groups.device.type == "cuda"
         if self.optimizer is None:
             if cuda:
@@ -515,13 +444,9 @@ class MegatronBackend:
         if device.type == "cpu":
             torch.cuda.empty_cache()
 
-    # ------------------------------------------------------------------ weights out
-
     def export_hf_weights(self, bucket_bytes: int, stats: Optional[HFExportStats] = None
                           ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         return export_hf_buckets(self.module, self.layout, self.groups, bucket_bytes, stats=stats)
-
-    # ------------------------------------------------------------------ checkpoints
 
     def _sharded_state(self, is_loading: bool, with_optimizer: bool) -> dict:
         model_sd = self.module.sharded_state_dict()

@@ -1,13 +1,4 @@
-"""Splitting a padded batch across data-parallel ranks and into token-budget micro-batches.
-
-Pure tensor logic. Every micro-batch has the same number of rows (pipeline schedules send
-fixed-shape activations), so the last one is padded with rows whose mask is zero.
-
-Rows are ordered by length before they are dealt (``length_order``), so each micro-batch
-holds rows of similar length; without pipeline stages a micro-batch is then cut to its own
-longest row (``trim_columns``) instead of the batch's, which is what a long-tailed batch of
-responses otherwise pays for in padding.
-"""
+"""Splitting a padded batch over DP ranks into token-budget micro-batches of similar-length rows."""
 
 from __future__ import annotations
 
@@ -57,9 +48,7 @@ def row_lengths(mask: torch.Tensor) -> torch.Tensor:
 
 
 def length_order(lengths: torch.Tensor, plan: MicroBatchPlan, dp_size: int) -> torch.Tensor:
-    """A permutation of the rows: longest first, dealt round-robin over the DP ranks (each
-    rank gets as many rows as ``rank_slice`` takes from it), so every rank's micro-batch i
-    holds rows of about the same length. Ties keep the original order."""
+    """A permutation of the rows: longest first, dealt round-robin over the DP ranks (stable)."""
     B = lengths.shape[0]
     caps = [max(0, min(plan.rows_per_rank, B - r * plan.rows_per_rank)) for r in range(dp_size)]
     dealt: list[list[int]] = [[] for _ in range(dp_size)]
@@ -74,9 +63,7 @@ def length_order(lengths: torch.Tensor, plan: MicroBatchPlan, dp_size: int) -> t
 
 
 def unscored_prefix(mask: torch.Tensor) -> int:
-    """Leading positions of a [rows, T] micro-batch whose logits score no response token: all
-    before the one that predicts its first response token. The output layer and the cross
-    entropy over the vocabulary need not run on them."""
+    """Leading positions of a [rows, T] micro-batch whose logits score no response token."""
     cols = (mask > 0).any(dim=0).nonzero()
     return max(int(cols[0]) - 1, 0) if cols.numel() else max(mask.shape[1] - 1, 0)
 
@@ -89,9 +76,7 @@ def trim_columns(micro: dict, lengths: torch.Tensor) -> dict:
 
 def split_policy_rows(fields: dict, mask: torch.Tensor, dp_size: int, dp_rank: int, micro_batch_tokens: int,
                       fixed_shape: bool) -> tuple[MicroBatchPlan, torch.Tensor, list[dict]]:
-    """This DP rank's micro-batches of the row-aligned tensors in ``fields`` (each [B, ...]):
-    the plan, the row permutation applied (``perm[j]`` is the batch row in slot j of the
-    permuted batch) and the micro-batches, cut to their longest row unless ``fixed_shape``."""
+    """This DP rank's (plan, row permutation, micro-batches of ``fields``), cut unless ``fixed_shape``."""
     B, T = mask.shape
     plan = plan_micro_batches(B, T, dp_size, micro_batch_tokens)
     lengths = row_lengths(mask)
@@ -120,8 +105,7 @@ def pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def left_pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t`` [B, k] as [B, width], zeros before it: per-token values scored only on the last
-    k positions (the output layer skips the prompt positions that score nothing)."""
+    """``t`` [B, k] as [B, width], zeros before it."""
     if t.shape[1] == width:
         return t
     return torch.cat([t.new_zeros((t.shape[0], width - t.shape[1], *t.shape[2:])), t], dim=1)
@@ -129,10 +113,7 @@ def left_pad_columns(t: torch.Tensor, width: int) -> torch.Tensor:
 
 def policy_micro_batches(batch, dp_size: int, dp_rank: int, micro_batch_tokens: int,
                          fixed_shape: bool = True) -> tuple[MicroBatchPlan, list[dict]]:
-    """This DP rank's micro-batches of a ``PolicyBatch`` as dicts of input_ids / mask /
-    advantages, ``old`` when the batch carries old log-probs (none: the step is on-policy and
-    the loss takes them from its own forward, with the engine's log-probs as ``engine`` for the
-    engine/trainer check), and ``ref`` when it has reference log-probs."""
+    """This DP rank's micro-batches of a ``PolicyBatch`` (with ``old`` or else ``engine``, and ``ref``)."""
     fields = {"input_ids": batch.input_ids.long(), "mask": batch.response_mask.float(),
               "advantages": batch.advantages.float()}
     if batch.old_logprobs is not None:

@@ -1,16 +1,4 @@
-"""megatron-core's core attention through ``torch.nn.functional.scaled_dot_product_attention``.
-
-megatron's local ``DotProductAttention`` (the one that runs without Transformer Engine, i.e. on
-every CPU host and on GPU clusters without TE) materialises the [batch, heads, s, s] score and
-probability matrices of every layer and keeps them for backward: with reasoning-length rows
-that is most of a training step's memory (at 2 x 640 tokens, 9 heads, 30 layers, about 3 GB
-for a 135M-parameter model) and much of its time. torch's fused kernels (flash attention on
-CPU and CUDA, memory-efficient attention on CUDA) keep only a log-sum-exp per row and
-recompute the probabilities in backward. Same mathematics, summed in a different order.
-
-The subclass keeps megatron's constructor (head counts per TP partition, softmax scale,
-state dict), so it drops into the layer spec's ``core_attention`` slot.
-"""
+"""megatron-core's core attention through torch's fused ``scaled_dot_product_attention`` (no score matrices)."""
 
 from __future__ import annotations
 
@@ -54,14 +42,12 @@ class SdpaDotProductAttention(DotProductAttention):
         sq, b = query.shape[0], query.shape[1]
         causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
         if causal and key.shape[0] != sq:
-            # SDPA aligns a causal mask to the top-left corner, megatron (decode with a cache)
-            # to the bottom-right; the trainer never attends with sq != sk.
+            # SDPA aligns a causal mask top-left, megatron bottom-right; the trainer never has sq != sk.
             raise ValueError(f"parallel.attention=sdpa: causal attention needs as many keys as queries "
                              f"(got {sq} queries, {key.shape[0]} keys)")
-        # [s, b, heads, d] -> [b, heads, s, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, heads, d] -> [b, heads, s, d]
         grouped = self.num_attention_heads_per_partition != self.num_query_groups_per_partition
-        context = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=self.softmax_scale, enable_gqa=grouped)
+        context = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=self.softmax_scale,
+                                                                   enable_gqa=grouped)
         # [b, heads, s, d] -> [s, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)

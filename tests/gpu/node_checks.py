@@ -292,14 +292,14 @@ def check_histopipe_live(rows: list[dict], runs: dict[str, list[dict]], log_text
         return False, f"{world} GPU: live HistoPipe needs at least two instances"
     if not rows:
         return False, "no metrics rows"
-    live_steps = {int(s) for s in re.findall(r"histopipe live step (\d+) policy", log_text)}
+    live_steps = {int(s) for s in re.findall(r"histopipe live step (\d+):", log_text)}
     for row in rows:
         bubble = row.get("histopipe/bubble_fraction")
         if not _finite(bubble) or not 0 <= bubble <= 1:
             return False, f"step {row['step']}: histopipe/bubble_fraction is {bubble!r}"
         if row["step"] not in live_steps:
             return False, (f"step {row['step']}: no 'histopipe live step' line in the logs: the rollout did not go "
-                           "through live dispatch (histopipe.live, rollout.tensor_parallel 1)")
+                           "through live dispatch (histopipe.enabled, rollout.tensor_parallel 1, more than one GPU)")
     per_instance = []
     for run, ranks in runs.items():
         if len(ranks) < 2:

@@ -40,8 +40,8 @@ def write_config(base: Path, overlay: Path, out_file: Path, overrides: list[str]
 
 def live_histopipe_problem(cfg, world_size: int) -> str | None:
     """Why live HistoPipe would not run across instances with ``cfg`` on ``world_size`` ranks, or None."""
-    if not (cfg.histopipe.enabled and cfg.histopipe.live):
-        return "histopipe.enabled and histopipe.live must be true"
+    if not cfg.histopipe.enabled:
+        return "histopipe.enabled must be true"
     if cfg.rollout.tensor_parallel != 1:
         return f"rollout.tensor_parallel is {cfg.rollout.tensor_parallel}; live dispatch needs 1"
     if world_size < 2:
@@ -67,7 +67,7 @@ def check_plan(config: Path, device_gb: float) -> str:
     layout = engine_placement(world, 0, 0, cfg.rollout.tensor_parallel, ranks_per_node=world)
     problem = live_histopipe_problem(cfg, world)
     if problem:
-        raise ConfigError(f"histopipe.live: {problem}")
+        raise ConfigError(f"histopipe.enabled: {problem}")
     size = ModelLayout.from_hf_config(json.loads((folder / "config.json").read_text()))
     plan = estimate(cfg, size, world, device_gb * 1e9)
     check(plan)

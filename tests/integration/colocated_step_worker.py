@@ -54,8 +54,8 @@ def main() -> int:
         # (On a GPU the audit holds NCCL calls to CUDA as they are.)
         devices.declare_backend_device("gloo", lazy_device())
     audit = CollectiveAudit().install()
-    # start_rollout: called once per rollout by generate() and by the live scheduler alike
-    for name, label in (("start_rollout", "rollout"), ("sleep", "engine.sleep"), ("wake_up", "engine.wake_up"),
+    # begin_requests: once per batch of requests, from generate() and the live scheduler alike
+    for name, label in (("begin_requests", "rollout"), ("sleep", "engine.sleep"), ("wake_up", "engine.wake_up"),
                         ("load_weights", "engine.load_weights")):
         _record(RolloutEngine, name, label)
     for name, label in (("train_step", "train"), ("offload_training_state", "trainer.offload"),

@@ -21,8 +21,8 @@ def main() -> None:
     from rhymerl.rollout import RolloutEngine, SamplingSpec
     from rhymerl.training import build_backend, init_process_groups
 
-    engine = RolloutEngine(RolloutConfig(speculative="none", max_model_len=128, max_num_seqs=8, cpu_kv_cache_gb=0.25),
-                           HistoSpecConfig(enabled=False), folder_a, seed=0)
+    engine = RolloutEngine(RolloutConfig(speculative="none", max_model_len=128, max_num_seqs=8), HistoSpecConfig(),
+                           folder_a, seed=0, cpu_kv_cache_bytes=256 << 20)
     prompts = [[5, 17, 42, 7], [100, 3, 9], [250, 251, 252, 253, 254]]
     greedy = SamplingSpec(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=False)
 

@@ -24,6 +24,7 @@ def main() -> int:
     from rhymerl.config import AlgorithmConfig, HistoSpecConfig, ModelConfig, ParallelConfig, RolloutConfig
     from rhymerl.models import resolve_model
     from rhymerl.rollout import RolloutEngine, SamplingSpec
+    from rhymerl.rollout.placement import engine_placement
     from rhymerl.training import build_backend
     from rhymerl.training.base import PolicyBatch
     from rhymerl.distributed.process_groups import init_process_groups
@@ -33,10 +34,9 @@ def main() -> int:
     pc = ParallelConfig()
     groups = init_process_groups(pc, world, rank)
     backend = build_backend(pc, AlgorithmConfig(lr=1e-3), model, groups, seed=0)
-    rc = RolloutConfig(speculative="none", max_model_len=256, max_num_seqs=8, cpu_kv_cache_gb=0.05,
-                       tensor_parallel=world)
-    engine = RolloutEngine(rc, HistoSpecConfig(enabled=False), model, seed=0, distributed=True,
-                           tensor_parallel_size=world)
+    rc = RolloutConfig(speculative="none", max_model_len=256, max_num_seqs=8, tensor_parallel=world)
+    engine = RolloutEngine(rc, HistoSpecConfig(), model, seed=0, cpu_kv_cache_bytes=50 << 20,
+                           placement=engine_placement(world, rank, rank, world))
     prompts = [[1, 5, 9, 13, 4], [1, 7, 7, 7, 2, 3]]
     spec = SamplingSpec(temperature=1.0, max_tokens=12, seed=11)
 

@@ -45,11 +45,12 @@ def single_rows(tiny_model_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def pipeline_rows(tmp_path_factory) -> dict:
-    from rhymerl.config import ModelConfig, TinyModelConfig
+    from rhymerl.config import ModelConfig
+    from rhymerl.models.tiny import TinyShape
     from rhymerl.models import resolve_model
     from rhymerl.training.local_launch import run_ranks
 
-    tied = resolve_model(ModelConfig(path="builtin:tiny", tiny=TinyModelConfig(architecture="qwen2", tie_word_embeddings=True)))
+    tied = resolve_model(ModelConfig(path="builtin:tiny"), TinyShape(architecture="qwen2", tie_word_embeddings=True))
     logs = tmp_path_factory.mktemp("probe")
     spec = ",".join(f"{p}:{op}" for p, op in PIPELINE.items())
     run_ranks(PROBE, [str(tied), "1", "2", spec], 2, timeout_s=180, log_dir=logs)

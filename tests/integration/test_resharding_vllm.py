@@ -16,13 +16,14 @@ WORKER = Path(__file__).with_name("reshard_vllm_worker.py")
 
 
 def test_vllm_from_exporter_matches_vllm_from_hf(tmp_path):
-    from rhymerl.config import ModelConfig, TinyModelConfig
+    from rhymerl.config import ModelConfig
+    from rhymerl.models.tiny import TinyShape
     from rhymerl.models import resolve_model
 
     # vLLM's CPU attention needs head size >= 32: 128 hidden / 4 heads.
     shape = dict(architecture="qwen2", hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
-    a = resolve_model(ModelConfig(path="builtin:tiny", tiny=TinyModelConfig(seed=1, **shape)))
-    b = resolve_model(ModelConfig(path="builtin:tiny", tiny=TinyModelConfig(seed=2, **shape)))
+    a = resolve_model(ModelConfig(path="builtin:tiny"), TinyShape(seed=1, **shape))
+    b = resolve_model(ModelConfig(path="builtin:tiny"), TinyShape(seed=2, **shape))
     out = tmp_path / "vllm.json"
     done = subprocess.run([sys.executable, str(WORKER), str(a), str(b), str(out)], capture_output=True, text=True,
                           timeout=300)

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import shutil
 
 import pytest
 
+from rhymerl.histospec.proposer import Drafting, DraftProposer
+from rhymerl.histospec.step_costs import CPU_PRIOR, StepCosts
+
 pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS = [[5, 17, 33, 40, 99, 100], [7, 8, 9, 10, 11], [200, 201, 3, 4, 5, 6, 7], [42, 43, 44]]
 SHARPEN = 8.0
+KV_BYTES = 256 << 20
 
 
 def _write_scaled(src, dst, scale, perturb=0.0, seed=0):
@@ -40,10 +45,11 @@ def _write_scaled(src, dst, scale, perturb=0.0, seed=0):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from rhymerl.config import ModelConfig, TinyModelConfig
+    from rhymerl.config import ModelConfig
+    from rhymerl.models.tiny import TinyShape
     from rhymerl.models import resolve_model
 
-    base = resolve_model(ModelConfig(path="builtin:tiny", tiny=TinyModelConfig(num_attention_heads=2, num_key_value_heads=1)))
+    base = resolve_model(ModelConfig(path="builtin:tiny"), TinyShape(num_attention_heads=2, num_key_value_heads=1))
     out = tmp_path_factory.mktemp("sharp")
     _write_scaled(base, out, SHARPEN)
     return out
@@ -53,8 +59,8 @@ def _engine(model_dir, method, history=None):
     from rhymerl.config import HistoSpecConfig, RolloutConfig
     from rhymerl.rollout import RolloutEngine
 
-    cfg = RolloutConfig(speculative=method, max_num_seqs=64, max_model_len=256, cpu_kv_cache_gb=0.25, num_speculative_tokens=8)
-    return RolloutEngine(cfg, HistoSpecConfig(), model_dir, seed=0, history=history)
+    cfg = RolloutConfig(speculative=method, max_num_seqs=64, max_model_len=256, num_speculative_tokens=8)
+    return RolloutEngine(cfg, HistoSpecConfig(), model_dir, seed=0, history=history, cpu_kv_cache_bytes=KV_BYTES)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +105,9 @@ def test_greedy_histospec_equals_no_speculation(none_engine, hs_engine):
     # How the plan's acceptance forecasts compare with the outcomes (replays draft near-certain tokens).
     assert m["acceptance_vs_forecast"] > 0.5, m
     # Greedy replays of their own history draft well: every request's chain is searched; the
-    # prior step cost prices a search at the configured cost.
+    # prior step cost prices a search at the CPU prior's cost.
     assert m["searches"] > 0 and m["searches_skipped_fraction"] == 0.0, m
-    assert m["search_us_per_request"] == pytest.approx(HistoSpecConfig().draft_search_us), m
+    assert m["search_us_per_request"] == pytest.approx(CPU_PRIOR.search_us), m
     # Accepted drafts still report the policy's log-probabilities.
     lp = second[0].responses[0].logprobs
     assert len(lp) == len(want[0][0])
@@ -200,17 +206,19 @@ def test_temperature_one_distribution_matches(none_engine, hs_engine):
     sp = SamplingSpec(temperature=1.0, max_tokens=MID + 4, ignore_eos=True)
     prompt = PROMPTS[:1]
     base = none_engine.generate(prompt, N_SAMPLES, sp)[0].token_ids
-    # Fixed-length drafts: the cost-aware rule rightly drafts little for 400 concurrent
-    # requests of a random-weights model, and this test needs many drafts verified.
-    saved = hs_engine.histospec_cfg
-    hs_engine.histospec_cfg = dataclasses.replace(saved, draft_rule="fixed")
+    # Drafts priced at nothing, so every chain is drafted whole: the cost-aware rule rightly
+    # drafts little for 400 concurrent requests of a random-weights model, and this test
+    # needs many drafts verified.
+    saved = hs_engine.step_costs
+    hs_engine.step_costs = StepCosts(fixed_ms=1e3, per_request_ms=0.0, per_token_ms=1e-6)
     try:
         hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
         hs_engine.generate(prompt, N_SAMPLES // 2, sp, epoch=0)  # fills the history with sampled responses
         spec = hs_engine.generate(prompt, N_SAMPLES, sp, epoch=1)[0].token_ids
         m = hs_engine.metrics()
     finally:
-        hs_engine.histospec_cfg = saved
+        hs_engine.step_costs = saved
+        hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
     # The test means something only if drafts were verified at and before MID.
     assert m["draft_proposed"] > N_SAMPLES and m["draft_accepted"] > 0.3 * m["draft_proposed"], m
     assert all(len(t) == MID + 4 for t in spec)
@@ -258,10 +266,11 @@ def test_steps_without_drafts_skip_the_rejection_sampler(none_engine, model_dir)
     # History is the only draft source here (no own-output/sibling or shared-index drafts), so
     # epoch 0 has nothing to draft from and epoch 1 drafts from epoch 0.
     # Prior step costs: whether epoch 1 drafts must not hang on this machine's timings.
-    hs_cfg = HistoSpecConfig(include_siblings=False, include_global=False, step_cost="prior")
-    cfg = RolloutConfig(speculative="histospec", max_num_seqs=64, max_model_len=256, cpu_kv_cache_gb=0.25,
-                        num_speculative_tokens=8)
-    hs_engine = RolloutEngine(cfg, hs_cfg, model_dir, seed=0)
+    hs_cfg = HistoSpecConfig(step_cost="prior")
+    cfg = RolloutConfig(speculative="histospec", max_num_seqs=64, max_model_len=256, num_speculative_tokens=8)
+    hs_engine = RolloutEngine(cfg, hs_cfg, model_dir, seed=0, cpu_kv_cache_bytes=KV_BYTES)
+    hs_engine._DraftProposer = functools.partial(DraftProposer, drafting=Drafting(sources=("history",)))
+    hs_engine.set_history(hs_engine.history)
     runner = hs_engine.llm.collective_rpc(_runner_of)[0]
     calls = collections.Counter()
     for name in ("sampler", "rejection_sampler"):
@@ -405,3 +414,29 @@ def test_load_weights_equals_fresh_engine(model_dir, none_engine, tmp_path):
     assert [r.token_ids for r in none_engine.generate(PROMPTS, 1, _greedy())] == before
     assert secs < 5.0
     assert torch.is_tensor(next(iter(perturbed.values())))
+
+
+def test_learnt_acceptance_carries_once_per_weight_update_not_per_batch(model_dir, hs_engine):
+    """HistoSpec's learnt acceptance decays into a new rollout when the weights change, not at
+    every batch those weights generate (DAPO's refill rounds are batches of one update)."""
+    from safetensors.torch import load_file
+
+    from rhymerl.config import HistoSpecConfig
+    from rhymerl.histospec import HistoryStore
+
+    # An earlier test may have left a foreign store (no proposer): start from a usable one.
+    hs_engine.set_history(HistoryStore(HistoSpecConfig(), vocab_size=hs_engine.vocab_size))
+    core = hs_engine._core
+    carries = []
+    real = core.carry_acceptance
+    core.carry_acceptance = lambda weight=None: carries.append(weight) or real(weight)
+    try:
+        for _ in range(2):
+            hs_engine.generate(PROMPTS[:2], 2, _greedy(8), record_history=False)
+        assert carries == []
+        hs_engine.load_weights(load_file(str(model_dir / "model.safetensors")).items())
+        assert carries == [None]
+        hs_engine.generate(PROMPTS[:2], 2, _greedy(8), record_history=False)
+        assert carries == [None]
+    finally:
+        core.carry_acceptance = real

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig, TinyModelConfig
+from rhymerl.config import HistoSpecConfig, ModelConfig, RolloutConfig
+from rhymerl.models.tiny import TinyShape
 from rhymerl.models import resolve_model
 
 pytestmark = [pytest.mark.cpu, pytest.mark.integration]
@@ -34,7 +35,7 @@ def test_tied_embeddings_follow_in_place_updates():
 
     from rhymerl.rollout import RolloutEngine, SamplingSpec
 
-    folder = resolve_model(ModelConfig(path="builtin:tiny", tiny=TinyModelConfig(tie_word_embeddings=True, seed=3)))
+    folder = resolve_model(ModelConfig(path="builtin:tiny"), TinyShape(tie_word_embeddings=True, seed=3))
     state = load_file(str(folder / "model.safetensors"))
     assert "lm_head.weight" not in state
     g = torch.Generator().manual_seed(0)

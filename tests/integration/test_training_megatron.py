@@ -23,10 +23,11 @@ VARIANTS = ("llama", "qwen2t")
 
 @pytest.fixture(scope="module")
 def model_dirs(tiny_model_dir) -> dict[str, Path]:
-    from rhymerl.config import ModelConfig, TinyModelConfig
+    from rhymerl.config import ModelConfig
+    from rhymerl.models.tiny import TinyShape
     from rhymerl.models import resolve_model
 
-    qwen_tied = resolve_model(ModelConfig(path="builtin:tiny", tiny=TinyModelConfig(architecture="qwen2", tie_word_embeddings=True)))
+    qwen_tied = resolve_model(ModelConfig(path="builtin:tiny"), TinyShape(architecture="qwen2", tie_word_embeddings=True))
     return {"llama": tiny_model_dir, "qwen2t": qwen_tied}
 
 

@@ -72,60 +72,6 @@ def test_set_cpu_threads_works_where_torch_set_num_threads_is_a_no_op(monkeypatc
         devices.set_cpu_threads(0)
 
 
-def test_native_bf16_read_from_cpu_flags():
-    assert devices.cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n")
-    assert devices.cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu amx_tile amx_bf16\n")
-    assert devices.cpu_has_native_bf16("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n")
-    # AVX-512 alone makes torch emulate bfloat16, slower than float32.
-    assert not devices.cpu_has_native_bf16("processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512bw\n")
-    assert not devices.cpu_has_native_bf16("")
-
-
-def test_autocast_dtype(monkeypatch):
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    for native in (True, False):
-        monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda cpuinfo=None, native=native: native)
-        assert devices.autocast_dtype("auto", cpu, torch.float32) == (torch.bfloat16 if native else None)
-        assert devices.autocast_dtype("bfloat16", cpu, torch.float32) == torch.bfloat16
-        assert devices.autocast_dtype("none", cpu, torch.float32) is None
-    # CUDA runs train bfloat16 weights with megatron's mixed-precision optimizer instead.
-    assert devices.autocast_dtype("auto", cuda, torch.float32) is None
-    assert devices.autocast_dtype("bfloat16", cuda, torch.float32) == torch.bfloat16
-    assert devices.autocast_dtype("auto", cpu, torch.bfloat16) is None
-    with pytest.raises(ValueError, match="parallel.autocast: bfloat16 needs model.dtype float32"):
-        devices.autocast_dtype("bfloat16", cuda, torch.bfloat16)
-    with pytest.raises(ValueError, match="not allowed"):
-        devices.autocast_dtype("float8", cpu, torch.float32)
-
-
-def test_float32_backward_runs_its_node_without_autocast_inside_the_region():
-    seen: list[tuple[str, bool]] = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, name):
-            ctx.name = name
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            seen.append((ctx.name, torch.is_autocast_enabled("cpu")))
-            return g, None
-
-    cpu = torch.device("cpu")
-    x = torch.ones(3, requires_grad=True)
-    with devices.autocast(cpu, torch.bfloat16):
-        with devices.without_autocast(cpu):
-            kept_float32 = devices.float32_backward(Probe.apply(x, "float32"), cpu)
-        plain = Probe.apply(x, "plain")
-        (kept_float32.sum() + plain.sum()).backward()
-        assert torch.is_autocast_enabled("cpu")
-    assert sorted(seen) == [("float32", False), ("plain", True)]
-    assert torch.equal(x.grad, torch.full((3,), 2.0))
-    with devices.autocast(cpu, None):
-        assert not torch.is_autocast_enabled("cpu")
-
-
 def test_a_rank_computes_on_the_gpu_its_local_rank_names():
     # Every task sees the node's 8 GPUs: rank i of the node takes cuda:i.
     assert [devices.rank_cuda_index(i, 8, "0,1,2,3,4,5,6,7") for i in range(8)] == list(range(8))

@@ -81,7 +81,7 @@ def rows(n: int = 4) -> list[dict]:
 
 
 def live_log(steps) -> str:
-    return "".join(f"2026-01-01 rhymerl.histopipe.live INFO histopipe live step {s} policy histopipe: makespan 3.1 s\n"
+    return "".join(f"2026-01-01 rhymerl.histopipe.live INFO histopipe live step {s}: makespan 3.1 s\n"
                    for s in steps)
 
 
@@ -390,7 +390,7 @@ def test_evaluate_after_a_run_that_died_fails_without_crashing(tmp_path):
 def test_live_histopipe_needs_two_instances_of_tp_1():
     from rhymerl.config import load_config
 
-    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", ["histopipe.live=true"], report_unused=False)
+    cfg = load_config(REPO / "configs" / "tiny-cpu.yaml", [], report_unused=False)
     assert node_plan.live_histopipe_problem(cfg, 8) is None
     assert "at least two" in node_plan.live_histopipe_problem(cfg, 1)
     cfg.rollout.tensor_parallel = 2
@@ -405,7 +405,7 @@ def test_config_lays_the_smoke_keys_over_the_main_job(tmp_path):
 
     cfg = load_config(out, report_unused=False)
     assert (cfg.model.dtype, cfg.parallel.dist_backend, cfg.parallel.world_size) == ("bfloat16", "nccl", 8)
-    assert cfg.rollout.enforce_eager is False and cfg.rollout.sleep_level == 2 and cfg.histopipe.live
+    assert cfg.rollout.enforce_eager is False and cfg.rollout.sleep_level == 2 and cfg.histopipe.enabled
     # Kept from the main job.
     assert cfg.data.tasks == ["basic_arithmetic"] and cfg.rollout.temperature == 0.7
 

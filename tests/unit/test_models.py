@@ -9,11 +9,12 @@ from rhymerl.models import ModelError, model_shape, resolve_model, validate_mode
 pytestmark = pytest.mark.cpu
 
 
-def test_tiny_model_is_deterministic_and_loads(tiny_model_dir, tmp_path):
+def test_tiny_model_is_deterministic_and_loads(tiny_model_dir, tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    again = resolve_model(ModelConfig(path="builtin:tiny", cache_dir=str(tmp_path)))
+    monkeypatch.setenv("RHYMERL_CACHE", str(tmp_path))
+    again = resolve_model(ModelConfig(path="builtin:tiny"))
     from safetensors.torch import load_file
 
     a = load_file(str(tiny_model_dir / "model.safetensors"))

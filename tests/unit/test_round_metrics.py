@@ -1,6 +1,6 @@
 import pytest
 
-from rhymerl.trainer import merge_round_metrics
+from rhymerl.rollout.metrics import merge_round_metrics
 
 pytestmark = pytest.mark.cpu
 
@@ -33,7 +33,7 @@ def test_refill_rounds_recompute_every_ratio_from_the_summed_counts():
 
 
 def test_instances_sum_their_counts_by_source():
-    from rhymerl.trainer import _sum_engine_metrics
+    from rhymerl.rollout.metrics import sum_engine_metrics as _sum_engine_metrics
 
     a = {"requests": 4, "searches": 10, "searches_skipped": 0, "source/history/drafts": 5,
          "source/group/accepted": 2, "search_us_per_request": 40.0}

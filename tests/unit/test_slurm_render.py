@@ -103,7 +103,6 @@ def test_multi_node_gpu_script_runs_one_task_per_gpu():
     (SlurmConfig(gpus_per_node=8, tasks_per_node=4), ParallelConfig(), "one task per GPU"),
     (SlurmConfig(tasks_per_node=3), ParallelConfig(tensor_parallel=2), "TP\\*PP=2 does not divide the 3 ranks"),
     (SlurmConfig(nodes=2, tasks_per_node=2), ParallelConfig(world_size=8), "parallel.world_size: 8"),
-    (SlurmConfig(tasks_per_node=4), ParallelConfig(data_parallel=3), "parallel.data_parallel"),
     (SlurmConfig(time="00:01:00", signal_lead_s=120), ParallelConfig(), "not shorter than slurm.time"),
     (SlurmConfig(time="1:2:3:4"), ParallelConfig(), "not a Slurm time"),
     (SlurmConfig(extra_sbatch=["exclusive"]), ParallelConfig(), "must be an sbatch option"),

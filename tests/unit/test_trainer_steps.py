@@ -19,6 +19,8 @@ from rhymerl.histospec import HistoryStore, prompt_key
 from rhymerl.rewards import RewardPool, RewardResult
 from rhymerl.rollout.engine import Response, RolloutResult
 from rhymerl.outputs.progress import PhaseProgress
+from rhymerl.rollout.placement import engine_placement
+from rhymerl.rollout.planned import PlannedRollout
 from rhymerl.trainer import Trainer
 
 pytestmark = pytest.mark.cpu
@@ -69,18 +71,18 @@ def make_trainer(answers: list[str], *overrides: str, rank: int = 0, instances: 
                              *overrides])
     t = Trainer.__new__(Trainer)
     t.cfg, t.comm, t.step, t.last_batch_records = cfg, WorldComm(rank=rank, world_size=1), 0, []
-    t.instance, t.engine_rank = rank, 0  # one engine per rank (rollout TP 1)
-    # generate()-level dispatch: the scripted engine answers whole calls (the live scheduler's
-    # dispatch runs real engines in test_histopipe_live)
-    t.live_dispatch = False
     t.records = [PromptRecord(id=f"p{i}", prompt=f"q{i}", answer=a) for i, a in enumerate(answers)]
     t.prompt_ids = [[1, 2, 100 + i] for i in range(len(answers))]
     t.prompt_keys = [prompt_key(p) for p in t.prompt_ids]
     t.sampler = EpochSampler(len(answers), cfg.data.prompts_per_step, cfg.run.seed, cfg.data.shuffle)
     t.history = HistoryStore(cfg.histospec, vocab_size=128)
     t.predictor = LengthPredictor(cfg.histopipe, cfg.rollout.max_tokens)
-    t.planner = NoopPlanner(instances)
     t.engine, t.tokenizer = ScriptedEngine(), TextTokenizer()
+    # Dispatch by plan: the scripted engine answers whole calls (the live scheduler's dispatch
+    # runs real engines in test_histopipe_live). One engine per rank (rollout TP 1).
+    t.placement = engine_placement(instances, rank, rank, 1)
+    t.rollout = PlannedRollout(cfg.rollout, cfg.run.seed, t.comm, t.engine, t.placement, NoopPlanner(instances),
+                               t.predictor, t.history)
     t.rewards = RewardPool(cfg.reward, preload=())
     t.ds_buffer = None
     if cfg.algo.dynamic_sampling:
