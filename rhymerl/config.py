@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import json
 import logging
 import os
@@ -484,7 +485,6 @@ _VAR = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))"
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
     if "USER" not in env:  # unset in some containers and batch environments; the login name is meant
-        import getpass
 
         try:
             env["USER"] = getpass.getuser()

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
+from rhymerl.outputs.run_lock import pid_alive
 
 log = logging.getLogger("rhymerl")
 
@@ -249,6 +250,5 @@ class PeerWatch:
 
 
 def _pid_alive(pid: int) -> bool:
-    from rhymerl.outputs.run_lock import pid_alive
 
     return pid_alive(pid, 0)

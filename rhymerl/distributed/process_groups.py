@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -81,8 +83,6 @@ def init_process_groups(parallel_cfg: ParallelConfig, world_size: int, rank: int
                 raise ValueError(f"{key} is not set: launch with torchrun/srun or export {key} for {world_size} ranks")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            import socket
-
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 os.environ["MASTER_PORT"] = str(s.getsockname()[1])
@@ -136,7 +136,6 @@ def world_comm(groups: ProcessGroups):
 
 
 def destroy_process_groups() -> None:
-    import sys
 
     if "megatron.core" in sys.modules:
         from megatron.core import parallel_state as ps

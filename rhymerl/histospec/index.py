@@ -4,6 +4,7 @@ cnt[trans(s, c)] / cnt[s]; matches carry across decode steps. Frozen form built 
 from __future__ import annotations
 
 import logging
+import sys
 from array import array
 from bisect import bisect_left
 from typing import Optional, Sequence
@@ -208,8 +209,6 @@ class SuffixAutomaton:
 
     def memory_bytes(self) -> int:
         """Approximate resident size (CPython object sizes), for per-token reporting."""
-        import sys
-
         total = sum(sys.getsizeof(d) for d in self.nxt)
         total += sum(sys.getsizeof(x) for x in (self.nxt, self.ln, self.link, self.cnt))
         n_trans = sum(len(d) for d in self.nxt)

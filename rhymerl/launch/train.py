@@ -13,6 +13,8 @@ from pathlib import Path
 
 from rhymerl.config import ConfigError, RunConfig, load_config, to_dict
 
+# torch, vLLM and the trainer load inside functions: the preemption handler is installed before them.
+
 log = logging.getLogger("rhymerl")
 
 

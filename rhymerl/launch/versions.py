@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 from importlib import metadata
 
 # import name -> (distribution names that provide it, required version prefix)
@@ -64,8 +66,6 @@ def torch_build_problem(torch_version: str, torch_cuda: str | None, driver_cuda:
 
 def driver_cuda_version() -> int | None:
     """The CUDA version this node's driver supports (cuDriverGetVersion), or None where libcuda does not load."""
-    import ctypes
-
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
     except OSError:

@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import secrets
 import shutil
@@ -131,8 +132,6 @@ def read_manifest(path: Path) -> dict:
 
 def capture_rng_state() -> dict:
     """RNG state of python, numpy and torch (CPU and every visible CUDA device)."""
-    import random
-
     state: dict[str, Any] = {"python": random.getstate()}
     try:
         import numpy as np
@@ -152,7 +151,6 @@ def capture_rng_state() -> dict:
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
-    import random
 
     random.setstate(state["python"])
     if "numpy" in state:

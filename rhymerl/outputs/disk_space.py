@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Iterator, Optional
@@ -84,8 +85,6 @@ def full_message(where: Path, free: int, need: Optional[int]) -> str:
 
 def checkpoint_bytes_estimate(model_folder: Path, dtype: str) -> int:
     """A first checkpoint's size: weights, Adam's two fp32 moments and, below fp32, an fp32 master copy."""
-    import json
-
     folder = Path(model_folder)
     weights = sum(p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
     try:

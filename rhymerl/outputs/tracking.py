@@ -16,6 +16,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from rhymerl.launch.child_signals import shielded_start
 from rhymerl.config import TrackingConfig
+from rhymerl.outputs.wandb_store import logged_steps
 
 # W&B flushes its transaction log every 15 s by default: a job killed within that window lost it all.
 FLUSH_INTERVAL_S = 1.0
@@ -299,8 +300,6 @@ class Tracker:
 
     def _wandb_steps(self) -> Optional[set[int]]:
         """The steps this run's W&B files hold (None: unreadable, or W&B off)."""
-        from rhymerl.outputs.wandb_store import logged_steps
-
         if self.rank != 0 or self.cfg.wandb == "disabled" or self._run_id is None:
             return None
         steps = logged_steps(self.run_dir / "wandb", self._run_id)

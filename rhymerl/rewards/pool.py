@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+import pickle
 import multiprocessing as mp
 import os
 import signal
@@ -52,8 +53,6 @@ def preload_modules(names: Sequence[str]) -> Optional[str]:
 
 def load_function(spec: str) -> Scorer:
     """Resolve ``reward.function`` ("module:callable"), a module-level name so it pickles to the workers."""
-    import pickle
-
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise RewardSetupError(f"reward.function: {spec!r} is not of the form 'module:callable'")

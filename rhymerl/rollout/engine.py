@@ -3,6 +3,8 @@ driven step by step, with a selectable speculative method; it implements sleep m
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import json
 import logging
 import os
@@ -335,8 +337,6 @@ class RolloutEngine:
             raise RolloutError("rollout.speculative=histospec needs the in-process vLLM engine core: unset "
                                "VLLM_ENABLE_V1_MULTIPROCESSING or set it to 0 (the proposer reads the history store in-process)")
         if self.method == "suffix":
-            import importlib.util
-
             if importlib.util.find_spec("arctic_inference") is None:
                 raise RolloutError(
                     "rollout.speculative=suffix needs arctic-inference, which is not installed. Build it with: "
@@ -701,6 +701,5 @@ class RolloutEngine:
             logger.debug("rollout: engine shutdown: %s", e)
         self.llm = None
         self._engine = None
-        import gc
 
         gc.collect()
