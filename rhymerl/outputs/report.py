@@ -1,16 +1,10 @@
-"""`python -m rhymerl report RUN_DIR`: pictures of a run from its own files.
-
-Reads ``metrics.jsonl`` (one row per step) and, when present, ``traces.jsonl`` (one row
-per response) and writes PNG figures plus an ``index.html`` that shows them, for a
-compute node where W&B is offline. Every figure is drawn only from metrics the run
-actually logged; a figure whose metrics are absent is listed on the page as such
-instead of being drawn empty.
-"""
+"""`python -m rhymerl report RUN_DIR`: PNG figures and an ``index.html`` of a run from its own files."""
 
 from __future__ import annotations
 
 import argparse
 import html
+import io
 import json
 import sys
 from collections import defaultdict
@@ -44,14 +38,43 @@ class RunData:
         return xs, ys
 
     def by_epoch(self, key: str) -> tuple[list[int], list[float]]:
-        """Mean of a per-step metric over the steps of each epoch."""
-        acc: dict[int, list[float]] = defaultdict(list)
-        for r in self.rows:
-            v, e = r.get(key), r.get("epoch")
-            if isinstance(v, (int, float)) and isinstance(e, (int, float)):
-                acc[int(e)].append(float(v))
-        epochs = sorted(acc)
-        return epochs, [sum(acc[e]) / len(acc[e]) for e in epochs]
+        """A per-step metric over each epoch, as if the epoch were one step (see ``epoch_figures``)."""
+        figures = epoch_figures(self.rows, key)
+        epochs = sorted(figures)
+        return epochs, [figures[e] for e in epochs]
+
+
+# Ratio metrics: an epoch's figure is the ratio of the epoch's sums, not the mean of step ratios.
+EPOCH_RATIOS = {"histospec/tokens_per_forward": ("histospec/generated_tokens", "histospec/target_forwards"),
+                "histospec/acceptance": ("histospec/draft_accepted", "histospec/draft_proposed")}
+# Means over a step's responses: an epoch's mean weighs each step by its responses.
+EPOCH_WEIGHTS = {"reward/mean": "rollout/responses", "reward/accuracy": "rollout/responses"}
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def epoch_figures(rows: list[dict], key: str) -> dict[int, float]:
+    """``key`` per epoch: ratio of sums (EPOCH_RATIOS), response-weighted mean (EPOCH_WEIGHTS), else the mean."""
+    by_epoch: dict[int, list[dict]] = defaultdict(list)
+    for r in rows:
+        if _number(r.get(key)) and _number(r.get("epoch")):
+            by_epoch[int(r["epoch"])].append(r)
+    return {e: _epoch_figure(rs, key) for e, rs in sorted(by_epoch.items())}
+
+
+def _epoch_figure(rows: list[dict], key: str) -> float:
+    num, den = EPOCH_RATIOS.get(key, (None, None))
+    if num and all(_number(r.get(num)) and _number(r.get(den)) for r in rows):
+        total = sum(float(r[den]) for r in rows)
+        if total > 0:
+            return sum(float(r[num]) for r in rows) / total
+    weight = EPOCH_WEIGHTS.get(key)
+    ws = [r.get(weight) for r in rows] if weight else []
+    if ws and all(_number(w) for w in ws) and sum(ws) > 0:
+        return sum(float(r[key]) * w for r, w in zip(rows, ws)) / sum(ws)
+    return sum(float(r[key]) for r in rows) / len(rows)
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -94,7 +117,6 @@ def load_run(run_dir: Path) -> RunData:
     return RunData(rows=rows, lengths_by_epoch=dict(lengths), run_dir=run_dir)
 
 
-# -- figures ------------------------------------------------------------------------------
 # Each figure function draws on a fresh Axes and returns False when the run has no data for it.
 
 def _fig_reward(run: RunData, ax) -> bool:
@@ -104,9 +126,23 @@ def _fig_reward(run: RunData, ax) -> bool:
         if xs:
             ax.plot(xs, ys, marker="o", label=label)
             drawn = True
+    if drawn:
+        _draw_epoch_means(run, "reward/mean", ax)
     ax.set_xlabel("step")
-    ax.set_title("Reward and accuracy per step")
+    ax.set_title("Reward and accuracy per step; mean reward per epoch")
     return drawn
+
+
+def _draw_epoch_means(run: RunData, key: str, ax) -> None:
+    """One bar across each epoch's steps at the epoch's figure (the headline's numbers)."""
+    steps: dict[int, list[int]] = defaultdict(list)
+    for r in run.rows:
+        if _number(r.get("epoch")) and _number(r.get(key)):
+            steps[int(r["epoch"])].append(int(r["step"]))
+    figures = epoch_figures(run.rows, key)
+    for i, e in enumerate(sorted(figures)):
+        ax.hlines(figures[e], min(steps[e]) - 0.4, max(steps[e]) + 0.4, colors="black", linewidth=2.5,
+                  label="mean reward per epoch" if i == 0 else None)
 
 
 def _fig_speculation(run: RunData, ax) -> bool:
@@ -186,24 +222,24 @@ def _fig_bubble(run: RunData, ax) -> bool:
 FIGURES: list[tuple[str, str, Callable]] = [
     ("reward.png", "Reward and accuracy", _fig_reward),
     ("histospec.png", "HistoSpec tokens per forward and acceptance", _fig_speculation),
-    ("phases.png", "Phase times", _fig_phases),
-    ("lengths.png", "Response lengths", _fig_lengths),
-    ("bubble.png", "HistoPipe bubble", _fig_bubble),
-]
+    ("phases.png", "Phase times", _fig_phases), ("lengths.png", "Response lengths", _fig_lengths),
+    ("bubble.png", "HistoPipe bubble", _fig_bubble)]
 
 
 def _render_png(draw: Callable, run: RunData) -> Optional[bytes]:
-    import io
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     try:
         if not draw(run, ax):
             return None
+        if ax.get_xlabel() in ("step", "epoch"):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         handles, _ = ax.get_legend_handles_labels()
         if handles:
             ax.legend(loc="best")
@@ -216,12 +252,53 @@ def _render_png(draw: Callable, run: RunData) -> Optional[bytes]:
         plt.close(fig)
 
 
+# The headline's figures, per epoch: steps compare prompt draws; every epoch sees all prompts.
+HEADLINE = ("reward/mean", "reward/accuracy", "histospec/tokens_per_forward")
+
+
+def _direction(first: float, last: float) -> str:
+    a, b = float(f"{first:.3g}"), float(f"{last:.3g}")
+    return "higher" if b > a else "lower" if b < a else "unchanged"
+
+
+def epoch_headline(run: RunData, key: str) -> Optional[str]:
+    """``key`` first epoch -> last epoch, whether the last is higher, and every epoch's figure."""
+    epochs, vals = run.by_epoch(key)
+    if not epochs:
+        return None
+    if len(epochs) == 1:
+        return f"{vals[0]:.3g} (epoch {epochs[0]}, the only one)"
+    line = (f"{vals[0]:.3g} (epoch {epochs[0]}) -> {vals[-1]:.3g} (epoch {epochs[-1]}), "
+            f"{_direction(vals[0], vals[-1])}; per epoch: " + ", ".join(f"{v:.3g}" for v in vals))
+    if key == "histospec/tokens_per_forward" and len(epochs) > 2:
+        # The first epoch drafts without any history of its prompts.
+        line += (f"; from epoch {epochs[1]}, when history joins: {vals[1]:.3g} -> {vals[-1]:.3g}, "
+                 f"{_direction(vals[1], vals[-1])}")
+    return line + _partial_last_epoch(run)
+
+
+def _partial_last_epoch(run: RunData) -> str:
+    """A note when the last epoch has fewer steps than the fullest (its figure covers only those)."""
+    counts: dict[int, int] = defaultdict(int)
+    for r in run.rows:
+        if _number(r.get("epoch")):
+            counts[int(r["epoch"])] += 1
+    if not counts:
+        return ""
+    last, most = max(counts), max(counts.values())
+    return f" (epoch {last} so far: {counts[last]} of {most} steps)" if counts[last] < most else ""
+
+
 def _summary(run: RunData) -> list[tuple[str, str]]:
     first, last = run.rows[0], run.rows[-1]
     out = [("steps", f"{first['step']}..{last['step']} ({len(run.rows)} rows)")]
-    for key in ("reward/mean", "reward/accuracy", "histospec/tokens_per_forward", STEP_TIME):
-        if key in first and key in last:
-            out.append((key, f"{first[key]:.3g} (first step) -> {last[key]:.3g} (last step)"))
+    for key in HEADLINE:
+        line = epoch_headline(run, key)
+        if line:
+            out.append((f"{key} per epoch", line))
+    _, step_s = run.series(STEP_TIME)
+    if step_s:
+        out.append(("training time", f"{sum(step_s):.0f} s over {len(step_s)} steps (sum of {STEP_TIME})"))
     if run.lengths_by_epoch:
         n = sum(len(v) for v in run.lengths_by_epoch.values())
         out.append(("responses in traces.jsonl", str(n)))
@@ -247,8 +324,7 @@ def write_report(run_dir: Path, out_dir: Path) -> list[Path]:
         "<style>body{font-family:sans-serif;margin:2em;max-width:60em}img{max-width:100%;border:1px solid #ddd}"
         "th{text-align:left;padding-right:1em}.missing{color:#888}</style></head><body>"
         f"<h1>RhymeRL run: {html.escape(str(run_dir))}</h1><table>{rows}</table>"
-        + "".join(sections) + "</body></html>\n"
-    )
+        + "".join(sections) + "</body></html>\n")
     atomic_write_text(out_dir / "index.html", page)
     written.append(out_dir / "index.html")
     return written

@@ -73,3 +73,41 @@ def test_report_errors_name_the_file_and_line(tmp_path, capsys):
         load_run(tmp_path)
     assert cli_main(["report", str(tmp_path / "missing")]) == 3
     assert "no such run folder" in capsys.readouterr().err
+
+
+def _headline(page: str) -> dict:
+    import re
+
+    return dict(re.findall(r"<tr><th>(.*?)</th><td>(.*?)</td></tr>", page.split("<h2>")[0]))
+
+
+def test_headline_compares_epochs_not_steps_and_says_which_way(tmp_path):
+    _write_run(tmp_path)  # 3 epochs of 2 steps; every figure rises step by step
+    write_report(tmp_path, tmp_path / "out")
+    head = _headline((tmp_path / "out" / "index.html").read_text())
+    # epoch means of the steps (0.2, 0.3), (0.4, 0.5), (0.6, 0.95: the re-logged step)
+    assert head["reward/mean per epoch"] == ("0.25 (epoch 1) -&gt; 0.775 (epoch 3), higher; per epoch: 0.25, 0.45, 0.775")
+    assert head["histospec/tokens_per_forward per epoch"].endswith("from epoch 2, when history joins: 1.75 -&gt; 2.35, higher")
+    assert head["training time"] == "159 s over 6 steps (sum of time/step_s)"
+    assert "first step" not in str(head)
+    # A falling reward says so; a last epoch still under way is marked as such.
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][:5]
+    for r in rows:
+        r["reward/mean"] = 1.0 - 0.1 * r["step"]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_report(tmp_path, tmp_path / "out")
+    head = _headline((tmp_path / "out" / "index.html").read_text())
+    assert head["reward/mean per epoch"] == ("0.95 (epoch 1) -&gt; 0.6 (epoch 3), lower; per epoch: 0.95, 0.75, 0.6 "
+                                             "(epoch 3 so far: 1 of 2 steps)")
+
+
+def test_epoch_figures_are_ratios_of_the_epoch_sums():
+    from rhymerl.outputs.report import epoch_figures
+
+    rows = [{"step": 0, "epoch": 1, "histospec/tokens_per_forward": 1.0, "histospec/generated_tokens": 10,
+             "histospec/target_forwards": 10, "reward/mean": 0.0, "rollout/responses": 4},
+            {"step": 1, "epoch": 1, "histospec/tokens_per_forward": 3.0, "histospec/generated_tokens": 90,
+             "histospec/target_forwards": 30, "reward/mean": 1.0, "rollout/responses": 12}]
+    assert epoch_figures(rows, "histospec/tokens_per_forward") == {1: 100 / 40}
+    assert epoch_figures(rows, "reward/mean") == {1: 0.75}
+    assert epoch_figures([dict(r, **{"rollout/responses": None}) for r in rows], "reward/mean") == {1: 0.5}
