@@ -157,7 +157,7 @@ def test_cli_is_wired_through_rhymerl(tmp_path):
 def test_docs_name_only_config_files_that_exist():
     import re
 
-    for doc in ("README.md", "slurm/README.md"):
+    for doc in ("README.md", "slurm/README.md", *(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))):
         for name in re.findall(r"configs/[\w.\-]+\.yaml", (REPO / doc).read_text()):
             if name != "configs/my-run.yaml":  # the placeholder for a user's own config
                 assert (REPO / name).is_file(), f"{doc} names {name}, which does not exist"
