@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,12 +145,26 @@ def submit_and_wait(script_text: str, log_root: Path, job_name: str, timeout_s: 
     return job
 
 
-def cancel_unfinished(pending: Mapping[str, object], timeout_s: float) -> None:
-    """Cancel the jobs of ``pending`` (name -> object with a ``job``) and fail naming each one's
-    state; called from a ``finally``, it leaves an exception already on its way alone."""
-    for r in pending.values():
-        subprocess.run(["scancel", r.job.job_id], timeout=10)
-    if pending and sys.exc_info()[0] is None:
+
+def follow_jobs(ran: Mapping[str, object], tick: Callable[[object], bool], timeout_s: float = 600) -> None:
+    """Poll the jobs of ``ran`` (name -> object with a ``job``) until each is done: ``tick(r)``
+    runs with fresh job info and says whether ``r`` is done (it may act on the job meanwhile).
+    Jobs still running at the deadline, or when an error escapes, are cancelled; the deadline
+    fails the test naming each one's state."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(ran)
+    try:
+        while pending and time.monotonic() < deadline:
+            for name, r in list(pending.items()):
+                r.job.info = job_info(r.job.job_id)
+                if tick(r):
+                    r.job.refresh_logs()
+                    del pending[name]
+            time.sleep(0.5)
+    finally:
+        for r in pending.values():
+            subprocess.run(["scancel", r.job.job_id], timeout=10)
+    if pending:
         pytest.fail(f"jobs did not finish within {timeout_s:.0f} s: "
                     + "; ".join(f"{n} {r.job.state} restarts={r.job.restarts}\n{r.job.log_text}"
                                 for n, r in pending.items()))

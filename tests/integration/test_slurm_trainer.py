@@ -23,7 +23,7 @@ import pytest
 from rhymerl.launch.slurm import render_script
 from rhymerl.outputs.checkpoint import verify_checkpoint
 from rhymerl.config import load_config
-from slurm_helpers import (REPO, TERMINAL, SlurmJob, cancel_unfinished, job_info, slurm_cluster,  # noqa: F401
+from slurm_helpers import (REPO, TERMINAL, SlurmJob, follow_jobs, job_info, slurm_cluster,  # noqa: F401
                            start_job)
 from wandb_helpers import history_by_step, offline_runs, run_record, wandb_disagreements
 
@@ -102,22 +102,17 @@ def _first_checkpoint(run_dir: Path) -> int:
 def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Ran]:
     tmp = tmp_path_factory.mktemp("slurm-trainer")
     ran = {name: _submit(tmp, name, case) for name, case in CASES.items()}
-    deadline = time.monotonic() + 600
-    pending = dict(ran)
-    try:
-        while pending and time.monotonic() < deadline:
-            for name, r in list(pending.items()):
-                r.job.info = job_info(r.job.job_id)
-                if r.job.state in TERMINAL:
-                    r.job.refresh_logs()
-                    del pending[name]
-                elif (r.case.trigger and r.triggered_at_step < 0 and r.job.state == "RUNNING"
-                      and (_batch_started(r) if r.case.trigger_when == "started" else _first_checkpoint(r.run_dir) >= 1)):
-                    r.triggered_at_step = max(_first_checkpoint(r.run_dir), 0)
-                    subprocess.run([*r.case.trigger, r.job.job_id], check=True, timeout=10)
-            time.sleep(0.5)
-    finally:
-        cancel_unfinished(pending, 600)
+
+    def tick(r: Ran) -> bool:
+        if r.job.state in TERMINAL:
+            return True
+        if (r.case.trigger and r.triggered_at_step < 0 and r.job.state == "RUNNING"
+                and (_batch_started(r) if r.case.trigger_when == "started" else _first_checkpoint(r.run_dir) >= 1)):
+            r.triggered_at_step = max(_first_checkpoint(r.run_dir), 0)
+            subprocess.run([*r.case.trigger, r.job.job_id], check=True, timeout=10)
+        return False
+
+    follow_jobs(ran, tick)
     return ran
 
 

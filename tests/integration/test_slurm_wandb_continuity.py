@@ -22,7 +22,7 @@ import pytest
 from rhymerl.config import load_config
 from rhymerl.launch.slurm import render_script
 from rhymerl.outputs.checkpoint import verify_checkpoint
-from slurm_helpers import (REPO, TERMINAL, SlurmJob, cancel_unfinished, job_info, slurm_cluster,  # noqa: F401
+from slurm_helpers import (REPO, TERMINAL, SlurmJob, follow_jobs, job_info, slurm_cluster,  # noqa: F401
                            start_job)
 from wandb_helpers import wandb_disagreements
 
@@ -106,28 +106,22 @@ def jobs(slurm_cluster, tmp_path_factory) -> dict[str, Ran]:
 
 
 def _follow(ran: dict[str, Ran]) -> None:
-    deadline = time.monotonic() + 600
-    pending = dict(ran)
-    try:
-        while pending and time.monotonic() < deadline:
-            for name, r in list(pending.items()):
-                r.job.info = job_info(r.job.job_id)
-                if r.job.state in TERMINAL and not (r.case.small_fs and r.first is None):
-                    r.job.refresh_logs()
-                    del pending[name]
-                elif r.job.state in TERMINAL:
-                    # The save that did not fit failed the job: make room, then submit it again.
-                    r.job.refresh_logs()
-                    r.first = r.job
-                    subprocess.run(["mount", "-o", "remount,size=64m", str(r.mount)], check=True, timeout=30)
-                    r.job = start_job(r.text, r.log_root, r.name, env={"PYTHONUNBUFFERED": "1"})
-                elif r.case.trigger and not r.triggered and r.job.state == "RUNNING" and max(_checkpoints(r),
-                                                                                                default=0) >= 2:
-                    r.triggered = True
-                    subprocess.run([*r.case.trigger, r.job.job_id], check=True, timeout=10)
-            time.sleep(0.5)
-    finally:
-        cancel_unfinished(pending, 600)
+    def tick(r: Ran) -> bool:
+        if r.job.state in TERMINAL and not (r.case.small_fs and r.first is None):
+            return True
+        if r.job.state in TERMINAL:
+            # The save that did not fit failed the job: make room, then submit it again.
+            r.job.refresh_logs()
+            r.first = r.job
+            subprocess.run(["mount", "-o", "remount,size=64m", str(r.mount)], check=True, timeout=30)
+            r.job = start_job(r.text, r.log_root, r.name, env={"PYTHONUNBUFFERED": "1"})
+        elif r.case.trigger and not r.triggered and r.job.state == "RUNNING" and max(_checkpoints(r),
+                                                                                        default=0) >= 2:
+            r.triggered = True
+            subprocess.run([*r.case.trigger, r.job.job_id], check=True, timeout=10)
+        return False
+
+    follow_jobs(ran, tick)
 
 
 def _steps(run_dir: Path) -> list[int]:
