@@ -240,7 +240,7 @@ class LiveRollout:
     def generate(self, batch: RolloutBatch) -> RolloutOutput:
         reqs, prior_log = [], []
         for g, (prompt, key) in enumerate(zip(batch.prompts, batch.keys)):
-            hist = self.history.lengths(key) if self.history.has(key) else None
+            hist = self.history.lengths(key)  # [] without history: the predictor's prior
             self.predictor.predict(key, hist)  # registers the prediction for the predictor's error accounting
             prior_log.append(self.predictor.predict_log(key, hist))
             reqs.extend(LiveRequest(g, s, prompt, key) for s in range(batch.n))

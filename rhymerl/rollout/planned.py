@@ -26,14 +26,11 @@ class PlannedRollout:
         self.predictor = predictor
         self.history = history
 
-    def _history_lengths(self, key: int) -> Optional[list[int]]:
-        return self.history.lengths(key) if self.history.has(key) else None
-
     def generate(self, batch: RolloutBatch) -> RolloutOutput:
         t0 = time.perf_counter()
         groups = [PromptGroup(key=k, index=g, prompt_len=len(p), n=batch.n)
                   for g, (p, k) in enumerate(zip(batch.prompts, batch.keys))]
-        plan = self.planner.plan(batch.step, groups, self.predictor, self._history_lengths)
+        plan = self.planner.plan(batch.step, groups, self.predictor, self.history.lengths)
         t_plan = time.perf_counter() - t0
         instance = self.placement.instance
         mine = plan.instances[instance]
