@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from rhymerl.config import ConfigError, RunConfig, load_config, to_dict
+from rhymerl.outputs.atomic import atomic_write_text
 
 # torch, vLLM and the trainer load inside functions: the preemption handler is installed before them.
 
@@ -63,8 +64,6 @@ class StepLog:
             if dropped:
                 log.warning("%s: dropped %d row(s) of steps >= %d (or unreadable), which ran after the checkpoint "
                             "and run again now", path, dropped, resume_step)
-        from rhymerl.outputs.atomic import atomic_write_text
-
         atomic_write_text(path, "".join(k + "\n" for k in keep))
 
     def rows(self) -> list[dict]:
