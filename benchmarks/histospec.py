@@ -717,7 +717,8 @@ def main(argv: list[str]) -> int:
     print("", file=sys.stderr)
     print(_table(f"histospec_chain: predicted against realised acceptance of verified draft positions (worst gap "
                  f"{result['calibration']['worst_gap']:.3f} over buckets of >= {draft_calibration.MIN_TOKENS})",
-                 {r["bucket"]: r for r in calib_rows}, ["tokens", "predicted", "realised", "gap"]), file=sys.stderr)
+                 {r["bucket"]: r for r in calib_rows}, ["tokens", "predicted", "realised", "gap", "standard_error"]),
+          file=sys.stderr)
     for name, rows in ablations.items():
         print("", file=sys.stderr)
         print(_table(f"ablation: {name}", rows, COLS), file=sys.stderr)

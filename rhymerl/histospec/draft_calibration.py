@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 BUCKETS = 10
@@ -41,7 +42,8 @@ class Calibration:
 
 
 def table(counts: dict, prefix: str = "calibration/") -> list[dict]:
-    """Per non-empty bucket: positions, mean prediction, realised rate and gap, from ``Calibration.counts``."""
+    """Per non-empty bucket: positions, mean prediction, realised rate, gap and the realised rate's binomial
+    standard error, from ``Calibration.counts``."""
     rows = []
     for b in range(BUCKETS):
         label = bucket_label(b)
@@ -51,7 +53,8 @@ def table(counts: dict, prefix: str = "calibration/") -> list[dict]:
         pred = counts[f"{prefix}{label}/predicted"] / n
         real = counts[f"{prefix}{label}/accepted"] / n
         rows.append({"bucket": f"{label}-{(b + 1) / BUCKETS:.1f}", "tokens": int(n), "predicted": round(pred, 4),
-                     "realised": round(real, 4), "gap": round(real - pred, 4)})
+                     "realised": round(real, 4), "gap": round(real - pred, 4),
+                     "standard_error": round(math.sqrt(real * (1.0 - real) / n), 4)})
     return rows
 
 

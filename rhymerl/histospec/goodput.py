@@ -203,11 +203,14 @@ def _solve(a: list[list[float]], b: list[float]) -> Optional[list[float]]:
 
 
 class AcceptanceTracker:
-    """P(accept position i | reached) = min(1, f_req * a_src[i] * q_i * m(q_i)): per-source per-depth rates,
-    the request's record so far, and a correction per tenth of q, all learnt online."""
+    """P(accept position i | reached) = min(1, x_i * m(x_i)), x_i = f_req * a_src[i] * q_i: per-source per-depth
+    rates, the request's record so far, and a correction per tenth of x itself, all learnt online. Correcting by
+    the prediction's own bucket keeps every bucket calibrated: the largest x are the noisiest estimates."""
 
     MAX_DEPTH = 64
-    Q_BUCKETS = 10
+    # Tenths of x up to 2, the last holding every larger x: above 1 a larger x still means likelier.
+    Q_BUCKETS = 20
+    Q_PER_UNIT = 10
 
     def __init__(self, prior: float = 0.5, prior_weight: float = 4.0, request_weight: float = 4.0,
                  q_weight: float = 20.0):
@@ -219,9 +222,9 @@ class AcceptanceTracker:
         self.prior_weight = prior_weight
         self.request_weight = request_weight
         self.q_weight = q_weight
-        # Per source and bucket of q: [accepted, predicted without m] over the positions tried.
+        # Per source and bucket of x: [accepted, x] over the positions tried.
         self._q: dict[str, list[list[float]]] = {}
-        self._qmul: dict[str, list[float]] = {}  # cache of q_multipliers
+        self._qmul: dict[str, tuple[list[float], list[float]]] = {}  # cache of _multipliers
         self._forecast = [0.0, 0.0]  # accepted tokens, and what the model forecast for them
         self._src: dict[str, list[list[float]]] = {}  # source -> per depth [accepted, q mass]
         self._rates: dict[str, list[float]] = {}  # cache of source_rates
@@ -254,20 +257,40 @@ class AcceptanceTracker:
         return (r[0] + self.request_weight) / (r[1] + self.request_weight)
 
     def q_multipliers(self, source: str) -> list[float]:
-        """A source's m per bucket of q, and last the most any q can be scaled to (q x m(q) <= it)."""
-        m = self._qmul.get(source)
-        if m is None:
+        """A source's m per bucket of x."""
+        return self._multipliers(source)[0]
+
+    def _multipliers(self, source: str) -> tuple[list[float], list[float]]:
+        """(m per bucket of x, and per bucket b the most x m(x) reaches below it: max over b' < b of hi_b' m_b')."""
+        got = self._qmul.get(source)
+        if got is None:
             w, nb = self.q_weight, self.Q_BUCKETS
             table = self._q.get(source)
             m = [1.0] * nb if table is None else [(acc + w) / (pred + w) for acc, pred in table]
-            # q in bucket b is at most (b + 1) / nb: the bound that no chain's q x m(q) exceeds.
-            m.append(max(min(1.0, (b + 1) / nb) * x for b, x in enumerate(m)))
-            self._qmul[source] = m
-        return m
+            below, top = [0.0] * nb, 0.0
+            for b in range(nb):
+                below[b] = top
+                top = max(top, (b + 1) / self.Q_PER_UNIT * m[b])
+            got = self._qmul[source] = (m, below)
+        return got
 
-    def bound_factor(self, req: str, source: str) -> float:
-        """The most a chain's rates are scaled by: ``request_factor`` x the source's largest q x m(q)."""
-        return self.request_factor(req) * self.q_multipliers(source)[-1]
+    def rate_bounds(self, req: str, source: str, n: int) -> list[float]:
+        """Per position, the most ``survival`` can be for any chain from ``source`` (q <= 1, so x <= f_req a_src)."""
+        f = self.request_factor(req)
+        m, below = self._multipliers(source)
+        nb, top = self.Q_PER_UNIT, self.Q_BUCKETS - 1
+        out = []
+        for a in self.source_rates(source, n)[:n]:
+            x = f * a
+            b = int(x * nb)
+            if b > top:
+                b = top
+            # Any x' <= x: in x's bucket at most x m_b, in a bucket below at most that bucket's top.
+            p = x * m[b]
+            if below[b] > p:
+                p = below[b]
+            out.append(p if p < 1.0 else 1.0)
+        return out
 
     def survival(self, req: str, source: str, cond_probs: Sequence[float]) -> list[float]:
         """Per-position acceptance probabilities given the position is reached."""
@@ -275,10 +298,14 @@ class AcceptanceTracker:
         if n == 0:
             return []
         f = self.request_factor(req)
-        m, nb, top = self.q_multipliers(source), self.Q_BUCKETS, self.Q_BUCKETS - 1
+        m, nb, top = self._multipliers(source)[0], self.Q_PER_UNIT, self.Q_BUCKETS - 1
         # source_rates returns at least n multipliers; this runs per request per engine step.
-        return [x if (x := f * a * q * m[b if (b := int(q * nb)) < top else top]) < 1.0 else 1.0
-                for a, q in zip(self.source_rates(source, n), cond_probs)]
+        out = []
+        for a, q in zip(self.source_rates(source, n), cond_probs):
+            x = f * a * q
+            p = x * m[b if (b := int(x * nb)) < top else top]
+            out.append(p if p < 1.0 else 1.0)
+        return out
 
     def expected_accepted(self, req: str, source: str, cond_probs: Sequence[float]) -> tuple[float, list[float]]:
         """(expected accepted tokens, ``survival``) of one chain."""
@@ -290,18 +317,16 @@ class AcceptanceTracker:
         return e, surv
 
     def bound(self, req: str, source: str, n: int) -> float:
-        """Most expected accepted tokens any chain of n tokens from ``source`` can have (no lists: hot path)."""
-        f = self.bound_factor(req, source)
-        rates = self.source_rates(source, n)
+        """Most expected accepted tokens any chain of n tokens from ``source`` can have."""
         e, p = 0.0, 1.0
-        for i in range(n):
-            x = f * rates[i]
-            p *= x if x < 1.0 else 1.0
+        for x in self.rate_bounds(req, source, n):
+            p *= x
             e += p
         return e
 
-    def observe(self, req: str, source: str, cond_probs: Sequence[float], accepted: int) -> None:
-        """A verified draft: its first ``accepted`` tokens were accepted."""
+    def observe(self, req: str, source: str, cond_probs: Sequence[float], accepted: int,
+                forecast: bool = True) -> None:
+        """A verified draft: its first ``accepted`` tokens were accepted (``forecast``: it was drafted)."""
         n = len(cond_probs)
         if n == 0:
             return
@@ -309,17 +334,23 @@ class AcceptanceTracker:
         tried = min(n, accepted + 1, self.MAX_DEPTH)
         who = req if req in self._req else ""
         expected = sum(self.survival(who, source, cond_probs[:tried]))
-        self._forecast[0] += min(accepted, tried)
-        self._forecast[1] += expected
-        # What the model without m(q) predicted, per bucket of q, against what was accepted.
-        f, rates, nb, top = self.request_factor(who), self.source_rates(source, tried), self.Q_BUCKETS, self.Q_BUCKETS - 1
-        qtable = self._q.setdefault(source, [[0.0, 0.0] for _ in range(nb)])
+        if forecast:
+            self._forecast[0] += min(accepted, tried)
+            self._forecast[1] += expected
+        # What the model without m predicted (x), per bucket of x, against what was accepted.
+        f, rates, nb, top = self.request_factor(who), self.source_rates(source, tried), self.Q_PER_UNIT, self.Q_BUCKETS - 1
+        qtable = self._q.setdefault(source, [[0.0, 0.0] for _ in range(self.Q_BUCKETS)])
         for i in range(tried):
-            q = float(cond_probs[i])
-            row = qtable[b if (b := int(q * nb)) < top else top]
+            x = f * rates[i] * float(cond_probs[i])
+            row = qtable[b if (b := int(x * nb)) < top else top]
             row[0] += 1.0 if i < accepted else 0.0
-            row[1] += f * rates[i] * q
+            row[1] += x
         self._qmul.pop(source, None)
+        if not forecast:
+            r = self._req.setdefault(req, [0.0, 0.0])
+            r[0] += min(accepted, tried)
+            r[1] += expected
+            return
         table = self._src.setdefault(source, [])
         while len(table) < tried:
             table.append([0.0, 0.0])
@@ -356,9 +387,10 @@ class AcceptanceTracker:
                 "q": {src: [list(row) for row in table] for src, table in self._q.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        """``state_dict``'s, or an earlier version's (no m(q): it starts from 1)."""
+        """``state_dict``'s, or an earlier version's (its m, by other buckets or none, starts from 1)."""
         self._src = {str(src): [[float(a), float(m)] for a, m in table] for src, table in state["sources"].items()}
-        self._q = {str(src): [[float(a), float(p)] for a, p in table] for src, table in state.get("q", {}).items()}
+        self._q = {str(src): [[float(a), float(p)] for a, p in table] for src, table in state.get("q", {}).items()
+                   if len(table) == self.Q_BUCKETS}
         self._rates.clear()
         self._qmul.clear()
 
@@ -432,15 +464,15 @@ def plan_step(survival: Sequence[Sequence[float]], cost: StepCostModel, caps: Op
     return StepPlan(lengths, e, t)
 
 
-def draft_can_pay(factor: float, rates: Sequence[float], cap: int, lam: float, per_tok: float, per_drow: float,
+def draft_can_pay(rate_bounds: Sequence[float], lam: float, per_tok: float, per_drow: float,
                   evaluation_s: float = 0.0) -> bool:
-    """Whether any draft of <= ``cap`` tokens could pay ``evaluation_s`` at goodput >= ``lam`` (an upper bound)."""
+    """Whether any draft whose per-position acceptance is at most ``rate_bounds`` could pay ``evaluation_s`` at
+    goodput >= ``lam`` (an upper bound)."""
     # Gains never rise along a chain: stop at the first token that does not pay.
     p, net = 1.0, -lam * per_drow
     tok = lam * per_tok
-    for a in rates[:cap]:
-        x = factor * a
-        p *= x if x < 1.0 else 1.0
+    for x in rate_bounds:
+        p *= x
         if p <= tok or p <= 0.0:
             break
         net += p - tok

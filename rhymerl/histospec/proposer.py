@@ -140,7 +140,7 @@ def _compiled(sam):
 
 class _Req:
     __slots__ = ("key", "group", "hist", "sib", "glob", "live", "toks", "gcur", "gpushed", "lcur", "lpushed",
-                 "pred_len", "last_src", "last_q", "last_surv")
+                 "pred_len", "last_src", "last_q", "last_surv", "declined")
 
     def __init__(self, key: int, group: Optional[str], pred_len: Optional[float] = None):
         self.key = key
@@ -159,6 +159,8 @@ class _Req:
         self.last_src = ""
         self.last_q: list[float] = []
         self.last_surv: list[float] = []
+        # A chain the rule did not draft: (position, tokens, cond_probs, source), checked against what follows.
+        self.declined: Optional[tuple[int, list[int], list[float], str]] = None
 
 
 def _growing():
@@ -311,9 +313,11 @@ class DraftProposer:
         r = self._reqs.pop(req_id, None)
         if r is None:
             return
-        self.acceptance.end(req_id)
         if response is not None:
+            if r.declined is not None:
+                self._check_declined(req_id, r, response)
             self._take_tokens(r, response)
+        self.acceptance.end(req_id)
         if r.group is None or r.sib is None:
             return
         g = self._groups.get(r.group)
@@ -421,6 +425,8 @@ class DraftProposer:
             if r is not None:
                 r.last_src = ""
                 r.last_q = []
+                if r.declined is not None:
+                    self._check_declined(req_id, r, generated)
                 self._take_tokens(r, generated)
             if r is None or max_len <= 0 or (r.hist is None and r.sib is None and r.glob is None and r.live is None):
                 cands.append(None)
@@ -433,7 +439,7 @@ class DraftProposer:
             if cap > 0 and lam0 > 0.0:
                 with_text = {src for src, m in (("history", r.hist), ("group", r.sib), ("global", r.glob),
                                                 ("global", r.live)) if m is not None and m.sam.num_tokens}
-                if not any(draft_can_pay(acc.bound_factor(req_id, src), acc.source_rates(src, cap), cap, lam0, per_tok,
+                if not any(draft_can_pay(acc.rate_bounds(req_id, src, cap), lam0, per_tok,
                                          per_drow, self._search_s) for src in with_text):
                     skipped += 1
                     cands.append(None)
@@ -449,8 +455,10 @@ class DraftProposer:
         lengths = plan_step([[] if c is None else c[3] for c in cands], self.cost, hurdle=hurdle).lengths
         st["steps"] += 1
         out: list[Draft] = []
-        for (req_id, _, _), c, k in zip(items, cands, lengths):
+        for (req_id, generated, _), c, k in zip(items, cands, lengths):
             if c is None or k <= 0:
+                if c is not None:
+                    self._reqs[req_id].declined = (len(generated), c[0], c[1], c[2])
                 out.append(Draft())
                 continue
             toks, probs, src, surv = c
@@ -477,6 +485,23 @@ class DraftProposer:
             elif skipped:
                 self._search_s *= 0.9  # Nothing measured: decay, else an overestimate would stand for good.
         return out
+
+    def _check_declined(self, req_id: str, r: _Req, tokens: Sequence[int]) -> None:
+        """Learn from a chain the rule declined as from a verified draft: the tokens the request went on to write
+        are the target's own samples, so matching them has the probability verification would have accepted
+        with. Without this the acceptance model learns only where it already drafts, and a source it
+        underrates at the start is never drafted, so never corrected."""
+        pos, toks, probs, src = r.declined
+        known = len(tokens) - pos
+        if known <= 0:
+            return
+        r.declined = None
+        n = min(len(toks), known)
+        matched = 0
+        while matched < n and toks[matched] == tokens[pos + matched]:
+            matched += 1
+        # Positions past what has been written are unknown: a chain matching all of them is cut there.
+        self.acceptance.observe(req_id, src, probs[:n] if matched == n else probs, matched, forecast=False)
 
     def observe_step(self, num_requests: int, num_scored_tokens: int, seconds: float,
                      num_drafting_requests: Optional[int] = None) -> None:

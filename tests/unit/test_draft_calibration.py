@@ -17,7 +17,8 @@ def test_positions_are_bucketed_by_prediction_and_only_reached_ones_count():
     assert set(got) == {"0.0-0.1", "0.5-0.6", "0.8-0.9", "0.9-1.0"}
     assert got["0.9-1.0"]["tokens"] == 2 and got["0.9-1.0"]["realised"] == 1.0
     assert got["0.9-1.0"]["predicted"] == pytest.approx(0.95)
-    assert got["0.5-0.6"] == {"bucket": "0.5-0.6", "tokens": 1, "predicted": 0.55, "realised": 0.0, "gap": -0.55}
+    assert got["0.5-0.6"] == {"bucket": "0.5-0.6", "tokens": 1, "predicted": 0.55, "realised": 0.0, "gap": -0.55,
+                              "standard_error": 0.0}
     assert got["0.0-0.1"]["realised"] == 0.0 and got["0.0-0.1"]["tokens"] == 1
     c.reset()
     assert calibration.table(c.counts()) == [] and calibration.worst_gap(c.counts()) == 0.0

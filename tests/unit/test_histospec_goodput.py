@@ -7,7 +7,7 @@ import pytest
 
 from rhymerl.config import HistoSpecConfig
 from rhymerl.histospec import DraftProposer, HistoryStore
-from rhymerl.histospec.goodput import (AcceptanceTracker, StepCostModel, expected_tokens, plan_step,
+from rhymerl.histospec.goodput import (AcceptanceTracker, StepCostModel, draft_can_pay, expected_tokens, plan_step,
                                        remaining_cap)
 from rhymerl.histospec.proposer import DRAFTING, Drafting
 from rhymerl.histospec.step_costs import CPU_PRIOR, StepCosts
@@ -425,7 +425,6 @@ def test_plan_is_the_best_plan():
 
 
 def test_draft_can_pay_is_an_upper_bound_on_the_plan():
-    from rhymerl.histospec.goodput import draft_can_pay
     rng = random.Random(3)
     for _ in range(400):
         cost = StepCostModel(rng.uniform(0, 0.05), rng.uniform(0, 0.01), rng.uniform(1e-4, 0.01),
@@ -438,12 +437,12 @@ def test_draft_can_pay_is_an_upper_bound_on_the_plan():
         qs = [[rng.uniform(0.1, 1.0) for _ in range(8)] for _ in range(n)]
         surv = [[min(1.0, f * a * q) for a, q in zip(rates, qq)] for qq in qs]
         plan = plan_step(surv, cost, hurdle=rng.choice([0.0, 0.1]))
-        if not draft_can_pay(f, rates, 8, lam0, per_tok, per_drow):
+        if not draft_can_pay([min(1.0, f * a) for a in rates], lam0, per_tok, per_drow):
             assert plan.lengths == [0] * n  # no chain of these rates can enter any plan
     # A search cost raises the bar; a sure draft at a cheap token still pays.
-    assert draft_can_pay(1.0, [1.0] * 4, 4, 10.0, 0.001, 0.0)
-    assert not draft_can_pay(1.0, [1.0] * 4, 4, 10.0, 0.001, 0.0, evaluation_s=0.4)
-    assert not draft_can_pay(0.05, [0.5] * 4, 4, 10.0, 0.01, 0.0)  # 2.5% acceptance cannot repay 10% of a row
+    assert draft_can_pay([1.0] * 4, 10.0, 0.001, 0.0)
+    assert not draft_can_pay([1.0] * 4, 10.0, 0.001, 0.0, evaluation_s=0.4)
+    assert not draft_can_pay([0.025] * 4, 10.0, 0.01, 0.0)  # 2.5% acceptance cannot repay 10% of a row
 
 
 def _replay_drafts(trace, cfg, costs=CPU_PRIOR, drafting=DRAFTING, as_array=False):
@@ -516,6 +515,9 @@ def test_skipped_searches_change_no_draft(monkeypatch):
     """With no search cost the skip is exact: the drafts are those of searching every request."""
     from rhymerl.histospec import proposer as proposer_mod
     from benchmarks.synthetic import synthetic_trace
+    # A searched chain that is declined still teaches the acceptance model, so a skipped search
+    # changes later evidence; with that learning off, only the skip's bound decides.
+    monkeypatch.setattr(proposer_mod.DraftProposer, "_check_declined", lambda *a, **k: None)
     trace = synthetic_trace(num_prompts=6, n=4, epochs=3, similarity=0.3, mean_len=60, seed=1)
     # Half the prompts' later responses are their tokens shuffled: the history still matches
     # single tokens and drafts, and the drafts keep failing (a policy that moved away).
@@ -533,7 +535,7 @@ def test_skipped_searches_change_no_draft(monkeypatch):
     assert st2["searches_skipped"] == 0
     assert skipped == searched
     # A search cost skips more, never fewer.
-    monkeypatch.undo()
+    monkeypatch.setattr(proposer_mod, "draft_can_pay", draft_can_pay)
     _, st3 = _replay_drafts(trace, cfg, dataclasses.replace(gpu, search_us=200.0))
     assert st3["searches_skipped"] > st["searches_skipped"]
 
@@ -594,15 +596,16 @@ def test_bound_is_the_most_any_chain_can_expect():
     for step in range(200):
         probs = [rng.random() for _ in range(rng.randint(1, 20))]
         t.observe(f"r{step % 3}", "history", probs, rng.randint(0, len(probs)))
-        m = t.q_multipliers("history")
         for req in ("r0", "r1", "unseen"):
             for n in (0, 1, 5, 17):
                 bound = t.bound(req, "history", n)
+                assert bound == pytest.approx(sum(np.cumprod(t.rate_bounds(req, "history", n))), abs=1e-12)
                 for _ in range(5):
                     chain = [rng.choice([1.0, rng.random()]) for _ in range(n)]
                     assert t.expected_accepted(req, "history", chain)[0] <= bound + 1e-12
-                if m[-1] == m[-2]:  # q = 1 is where q x m(q) peaks: a certain chain reaches the bound
-                    assert bound == pytest.approx(t.expected_accepted(req, "history", [1.0] * n)[0], rel=1e-12)
+    # Before any evidence m = 1: q = 1 is where x m(x) peaks, so a certain chain reaches the bound.
+    fresh = AcceptanceTracker(prior=0.6)
+    assert fresh.bound("r", "history", 6) == pytest.approx(fresh.expected_accepted("r", "history", [1.0] * 6)[0])
 
 
 def test_acceptance_bends_where_the_history_splits():
@@ -646,7 +649,11 @@ def test_acceptance_carry_scales_the_evidence_and_its_state_round_trips():
     # A checkpoint written before m(q) existed loads with m = 1.
     old = AcceptanceTracker(prior=0.5, prior_weight=4.0)
     old.load_state_dict({"sources": state["sources"]})
-    assert old.q_multipliers("history")[:-1] == [1.0] * AcceptanceTracker.Q_BUCKETS
+    assert old.q_multipliers("history") == [1.0] * AcceptanceTracker.Q_BUCKETS
+    # One written when m was kept per tenth of q (10 rows) loads with m = 1 too: its rows meant other buckets.
+    by_q = AcceptanceTracker(prior=0.5, prior_weight=4.0)
+    by_q.load_state_dict({"sources": state["sources"], "q": {"history": [[5.0, 1.0]] * 10}})
+    assert by_q.q_multipliers("history") == [1.0] * AcceptanceTracker.Q_BUCKETS
     q_before = [list(row) for row in state["q"]["history"]]
     t.carry(0.5)
     assert t.state_dict()["sources"] == {"history": [[0.5, 0.4], [0.5, 0.3], [0.0, 0.25]], "group": [[0.0, 0.5]]}
@@ -654,6 +661,71 @@ def test_acceptance_carry_scales_the_evidence_and_its_state_round_trips():
     assert t.request_factor("a") == 1.0 and t.accepted_over_forecast() == 0.0
     t.carry(0.0)
     assert t.state_dict()["sources"] == {} and t.source_rate("history") == 0.5
-    assert t.q_multipliers("history")[:-1] == [1.0] * AcceptanceTracker.Q_BUCKETS
+    assert t.q_multipliers("history") == [1.0] * AcceptanceTracker.Q_BUCKETS
     with pytest.raises(ValueError, match="carry weight"):
         t.carry(1.5)
+
+
+def test_a_declined_chain_is_checked_against_the_tokens_written_after_it():
+    """Matched positions count as accepted, the first mismatch as rejected, positions not yet
+    written not at all; the forecast metric keeps to drafted chains."""
+    store, cfg = _proposer()
+    store.add_group(1, 0, [list(range(100))])
+    p = DraftProposer(store, cfg, CPU_PRIOR, Drafting(sources=("history",), acceptance_prior=0.7))
+    for rid, written, accepted, tried in (("a", [10, 11, 12, 13], 4, 4),  # all written tokens match: 4 known
+                                          ("b", [10, 11, 99, 13, 14], 2, 3),  # third differs: 2 accepted of 3
+                                          ("c", [], 0, 0)):  # nothing written yet: nothing learnt
+        p.begin(rid, 1)
+        p._reqs[rid].declined = (10, list(range(10, 18)), [1.0] * 8, "history")
+        before = p.acceptance.state_dict()["q"].get("history", [[0.0, 0.0]])
+        p.propose_step([(rid, list(range(10)) + written, 0)])
+        rows = p.acceptance.state_dict()["q"].get("history", [[0.0, 0.0]])
+        assert sum(a for a, _ in rows) - sum(a for a, _ in before) == accepted
+        # Each position tried adds its prediction x = f_req a q = 1 x 0.7 x 1 (a new request, the prior).
+        assert sum(x for _, x in rows) - sum(x for _, x in before) == pytest.approx(0.7 * tried)
+        assert p.acceptance.accepted_over_forecast() == 0.0  # declined chains are no forecast
+        assert (p._reqs[rid].declined is None) == bool(written)
+    assert p.acceptance.state_dict()["sources"] == {}  # per-depth rates keep to drafted chains
+
+
+def test_declined_chains_let_the_first_epoch_draft_what_pays():
+    """With no history the rule starts from a prior; chains it declines are checked against
+    what the requests go on to write, so where it underrates a source it learns so. On the
+    shipped trace's first epoch that drafts more and finishes sooner on the modelled clock."""
+    from rhymerl.histospec import proposer as proposer_mod
+    from benchmarks.histospec import HistoSpecMethod, StepTime, simulate
+    from rhymerl.outputs.traces import by_epoch, read_trace
+    epochs = by_epoch(read_trace("benchmarks/traces/smollm2-basic-arithmetic-steps-grpo.jsonl"))
+    costs = dataclasses.replace(CPU_PRIOR, per_drafting_request_ms=0.0)
+    clock = StepTime(costs.fixed_ms * 1e-3, costs.per_request_ms * 1e-3, costs.per_token_ms * 1e-3)
+
+    def first_epoch():
+        return simulate(HistoSpecMethod(HistoSpecConfig(), "first", costs), epochs, 16, cold=True, step_time=clock)
+
+    learning = first_epoch()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(proposer_mod.DraftProposer, "_check_declined", lambda *a, **k: None)
+        drafted_only = first_epoch()
+    assert learning["tokens_per_forward"] > drafted_only["tokens_per_forward"]
+    assert learning["modelled_step_time_s"] < drafted_only["modelled_step_time_s"]
+
+
+def test_predictions_are_calibrated_where_requests_run_lucky():
+    """Every position is accepted 90% of the time whatever the request. A request's lucky run
+    lifts its factor, and f x a x q passes 1: corrected per bucket of that prediction itself
+    (up to x = 2), the top buckets come within 3 points (3.4 when corrected per tenth of q)."""
+    from rhymerl.histospec.draft_calibration import Calibration, table
+    rng = random.Random(5)
+    t = AcceptanceTracker(prior=0.9)
+    cal = Calibration()
+    for r in range(400):
+        req = f"r{r}"
+        for _ in range(12):
+            surv = t.survival(req, "history", [1.0] * 4)
+            accepted = next((i for i in range(4) if rng.random() >= 0.9), 4)
+            if r >= 200:  # scored once the corrections have had their evidence
+                cal.observe(surv, accepted)
+            t.observe(req, "history", [1.0] * 4, accepted)
+        t.end(req)
+    rows = [row for row in table(cal.counts()) if row["tokens"] >= 500]
+    assert rows and max(abs(row["gap"]) for row in rows) < 0.03, rows
