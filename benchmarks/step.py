@@ -219,8 +219,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
     p.add_argument("--sizes", default=None,
-                   help="concurrent requests, comma-separated (default 2,32; with --calibrate 1,2,4,8,16,32)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens decoded per request (default 24; --calibrate 48)")
+                   help="concurrent requests, comma-separated (default 2,32; with --calibrate 1,8,32,64)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens decoded per request (default 24; --calibrate 256: rows at a rollout's contexts)")
     p.add_argument("--temperature", type=float, default=1.0, help="(--calibrate decodes greedily)")
     p.add_argument("--repeats", type=int, default=None,
                    help="interleaved repetitions per variant, median kept (default 3); --calibrate: passes over its grid (1)")
@@ -233,11 +233,11 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
     cal = args.calibrate
     try:
-        args.sizes = sorted({int(s) for s in (args.sizes or ("1,2,4,8,16,32" if cal else "2,32")).split(",") if s.strip()})
+        args.sizes = sorted({int(s) for s in (args.sizes or ("1,8,32,64" if cal else "2,32")).split(",") if s.strip()})
     except ValueError:
         print(f"benchmarks step: --sizes must be integers separated by commas (got {args.sizes!r})", file=sys.stderr)
         return 2
-    args.tokens = args.tokens if args.tokens is not None else (48 if cal else 24)
+    args.tokens = args.tokens if args.tokens is not None else (256 if cal else 24)
     args.repeats = args.repeats if args.repeats is not None else (1 if cal else 3)
     for flag, v in (("--sizes", min(args.sizes, default=0)), ("--tokens", args.tokens), ("--repeats", args.repeats)):
         if v < 1:

@@ -26,8 +26,9 @@ from rhymerl.histospec.goodput import StepCostModel
 from rhymerl.histospec.proposer import DRAFTING, Draft, DraftProposer
 from rhymerl.histospec.step_costs import StepCosts
 
-# Drafting shares of the requests and draft lengths each batch size is measured at.
-GRID = ((0.0, 0), (0.5, 1), (0.5, 4), (1.0, 2))
+# Drafting shares of the requests and draft lengths each batch size is measured at (up to the
+# shipped configs' 8 draft tokens: longer drafts are longer verification queries).
+GRID = ((0.0, 0), (0.5, 1), (0.5, 4), (1.0, 2), (1.0, 8))
 # Batch sizes whose draft prices are pooled in the price-by-rows table.
 PRICE_BUCKETS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 1 << 30))
 

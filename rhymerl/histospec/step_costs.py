@@ -17,8 +17,9 @@ class StepCosts:
     source: str = ""
 
 
-# The embedded run's host (``bench step --calibrate``).
-CPU_PRIOR = StepCosts(fixed_ms=38.94, per_request_ms=1.29, per_token_ms=1.444, per_drafting_request_ms=0.3559,
+# The embedded run's host (``bench step --calibrate``: rows at 256-token contexts, drafts up to 8
+# tokens), a row at its sampled cost.
+CPU_PRIOR = StepCosts(fixed_ms=30.25, per_request_ms=1.25, per_token_ms=1.882, per_drafting_request_ms=0.0191,
                       source="the CPU prior")
 
 
