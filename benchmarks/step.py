@@ -220,7 +220,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="builtin:smollm2-135m-instruct")
     p.add_argument("--sizes", default=None,
                    help="concurrent requests, comma-separated (default 2,32; with --calibrate 1,8,32,64)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens decoded per request (default 24; --calibrate 256: rows at a rollout's contexts)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens decoded per request (default 24; --calibrate 256: rows at a rollout's contexts)")
     p.add_argument("--temperature", type=float, default=1.0, help="(--calibrate decodes greedily)")
     p.add_argument("--repeats", type=int, default=None,
                    help="interleaved repetitions per variant, median kept (default 3); --calibrate: passes over its grid (1)")

@@ -346,18 +346,14 @@ class AcceptanceTracker:
             row[0] += 1.0 if i < accepted else 0.0
             row[1] += x
         self._qmul.pop(source, None)
-        if not forecast:
-            r = self._req.setdefault(req, [0.0, 0.0])
-            r[0] += min(accepted, tried)
-            r[1] += expected
-            return
-        table = self._src.setdefault(source, [])
-        while len(table) < tried:
-            table.append([0.0, 0.0])
-        for i in range(tried):
-            table[i][0] += 1.0 if i < accepted else 0.0
-            table[i][1] += float(cond_probs[i])
-        self._rates.pop(source, None)
+        if forecast:  # per-depth source rates learn from drafted chains only
+            table = self._src.setdefault(source, [])
+            while len(table) < tried:
+                table.append([0.0, 0.0])
+            for i in range(tried):
+                table[i][0] += 1.0 if i < accepted else 0.0
+                table[i][1] += float(cond_probs[i])
+            self._rates.pop(source, None)
         r = self._req.setdefault(req, [0.0, 0.0])
         r[0] += min(accepted, tried)
         r[1] += expected
