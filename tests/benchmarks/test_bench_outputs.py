@@ -172,6 +172,28 @@ def test_none_time_fit_recovers_step_and_token_costs_and_prices_a_variant_at_its
     assert fit_none_time(runs[:2]) is None  # fewer runs than unknowns
 
 
+def test_none_time_fit_keeps_every_cost_non_negative():
+    import numpy as np
+
+    from benchmarks.rollout import fit_none_time, none_time_s
+
+    # Steps whose time grows faster than linearly in tokens, over a narrow range of lengths:
+    # unconstrained, the fit's cost per batch is negative and a short batch costs nothing.
+    def none_run(longest, tokens):
+        return {"longest_response": longest, "generated_tokens": tokens, "wall_s": 0.02 * longest + 2e-5 * tokens ** 1.6}
+
+    runs = [none_run(100, 400), none_run(110, 500), none_run(120, 560), none_run(105, 450), none_run(130, 640)]
+    a = np.array([[1.0, r["longest_response"], r["generated_tokens"]] for r in runs])
+    y = np.array([r["wall_s"] for r in runs])
+    free, *_ = np.linalg.lstsq(a / y[:, None], np.ones_like(y), rcond=None)
+    assert free.min() < 0  # the case this guards against
+    fit = fit_none_time(runs)
+    assert min(fit[:3]) >= 0.0
+    assert none_time_s(fit, 30, 60) > 0.0
+    # Still a least-squares fit: within a few percent of every step it was fitted on.
+    assert all(abs(none_time_s(fit, r["longest_response"], r["generated_tokens"]) / r["wall_s"] - 1) < 0.05 for r in runs)
+
+
 def test_sweep_median_of_two_repeats_is_their_mean_not_the_better_one():
     from benchmarks.rollout import equal_lengths_ratios
 
