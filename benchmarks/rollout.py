@@ -650,22 +650,34 @@ def main(argv: list[str]) -> int:
     p.add_argument("-k", type=int, default=8, help="--model workload: num_speculative_tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--sweep-temperatures", default=",".join(str(t) for t in SWEEP_TEMPERATURES),
-                   help="--sweep: comma-separated temperatures")
-    p.add_argument("--sweep-concurrency", default=",".join(str(c) for c in SWEEP_CONCURRENCY),
-                   help="--sweep: comma-separated numbers of concurrent requests")
-    p.add_argument("--sweep-min-requests", type=int, default=SWEEP_MIN_REQUESTS,
+    # The sweep's own options default to None so that one given without --sweep is refused, not ignored.
+    sweep_defaults = {"sweep_temperatures": ",".join(map(str, SWEEP_TEMPERATURES)),
+                      "sweep_concurrency": ",".join(map(str, SWEEP_CONCURRENCY)),
+                      "sweep_min_requests": SWEEP_MIN_REQUESTS, "variants": "histospec", "repeats": 3}
+    p.add_argument("--sweep-temperatures",
+                   help=f"--sweep: comma-separated temperatures (default {sweep_defaults['sweep_temperatures']})")
+    p.add_argument("--sweep-concurrency",
+                   help="--sweep: comma-separated numbers of concurrent requests "
+                        f"(default {sweep_defaults['sweep_concurrency']})")
+    p.add_argument("--sweep-min-requests", type=int,
                    help="--sweep: requests each cell writes at least, in closed batches of its concurrency "
-                        "(a 1-request cell writes this many responses one after another)")
-    p.add_argument("--variants", default="histospec",
+                        "(a 1-request cell writes this many responses one after another; "
+                        f"default {SWEEP_MIN_REQUESTS})")
+    p.add_argument("--variants",
                    help="--sweep: comma-separated HistoSpec variants timed against none in the same cells, "
                         "each histospec[@key=value...] (rollout.* / histospec.* keys), e.g. "
-                        "histospec,histospec@histospec.step_cost=measured")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="--sweep: interleaved repetitions of each cell per method (the median is kept)")
+                        "histospec,histospec@histospec.step_cost=measured (default histospec)")
+    p.add_argument("--repeats", type=int,
+                   help="--sweep: interleaved repetitions of each cell per method (the median is kept; default 3)")
     add_threads_flag(p)
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
     args = p.parse_args(argv)
+    given = [f"--{name.replace('_', '-')}" for name in sweep_defaults if getattr(args, name) is not None]
+    if given and not args.sweep:
+        p.error(f"{', '.join(given)}: only with --sweep (one run of each method otherwise)")
+    for name, value in sweep_defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.model:
         args.config = ""
     elif not args.config:

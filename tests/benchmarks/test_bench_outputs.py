@@ -342,3 +342,14 @@ def test_engine_figures_over_several_calls_sum_counts_and_recompute_fractions():
     assert t["steps_without_drafts_fraction"] == pytest.approx(60 / 90)
     assert t["history_served_fraction"] == pytest.approx(0.5)
     assert t["step_cost/fixed_ms"] == 41.0 and "method" not in t  # a state: the latest call's
+
+
+def test_rollout_bench_refuses_sweep_options_without_sweep(capsys):
+    from benchmarks import rollout
+
+    # Without --sweep each method runs once: a --repeats there would be silently ignored.
+    with pytest.raises(SystemExit) as exc:
+        rollout.main(["--repeats", "5", "--variants", "histospec"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--variants, --repeats: only with --sweep" in err
