@@ -662,13 +662,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sweep-min-requests", type=int,
                    help="--sweep: requests each cell writes at least, in closed batches of its concurrency "
                         "(a 1-request cell writes this many responses one after another; "
-                        f"default {SWEEP_MIN_REQUESTS})")
+                        f"default {sweep_defaults['sweep_min_requests']})")
     p.add_argument("--variants",
                    help="--sweep: comma-separated HistoSpec variants timed against none in the same cells, "
                         "each histospec[@key=value...] (rollout.* / histospec.* keys), e.g. "
-                        "histospec,histospec@histospec.step_cost=measured (default histospec)")
+                        f"histospec,histospec@histospec.step_cost=measured (default {sweep_defaults['variants']})")
     p.add_argument("--repeats", type=int,
-                   help="--sweep: interleaved repetitions of each cell per method (the median is kept; default 3)")
+                   help="--sweep: interleaved repetitions of each cell per method (the median is kept; "
+                        f"default {sweep_defaults['repeats']})")
     add_threads_flag(p)
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
     args = p.parse_args(argv)
