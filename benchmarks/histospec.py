@@ -697,7 +697,11 @@ def main(argv: list[str]) -> int:
     calib_rows = draft_calibration.table(calib_counts)
     result = {"methods": methods, "first_epoch": first, "ablations": ablations, "cost": cost, "source": source,
               "calibration": {"buckets": calib_rows, "min_tokens": draft_calibration.MIN_TOKENS,
-                              "worst_gap": round(draft_calibration.worst_gap(calib_counts), 4)},
+                              "worst_gap": round(draft_calibration.worst_gap(calib_counts), 4),
+                              "target_gap": draft_calibration.TARGET_GAP,
+                              "over_target": sum(abs(r["gap"]) > draft_calibration.TARGET_GAP for r in calib_rows
+                                                 if r["tokens"] >= draft_calibration.MIN_TOKENS),
+                              "over_target_by_chance": round(draft_calibration.chance_over(calib_counts), 3)},
               "history_index": history_index,
               "ordering_chain>=suffix>=ngram>=1": order_ok,
               "step_costs": dataclasses.asdict(costs) | {"preset": args.costs},
@@ -715,8 +719,11 @@ def main(argv: list[str]) -> int:
     print(_table("first epoch alone, no history (modelled speedup against none's first epoch)", first, COLS),
           file=sys.stderr)
     print("", file=sys.stderr)
+    cal = result["calibration"]
     print(_table(f"histospec_chain: predicted against realised acceptance of verified draft positions (worst gap "
-                 f"{result['calibration']['worst_gap']:.3f} over buckets of >= {draft_calibration.MIN_TOKENS})",
+                 f"{cal['worst_gap']:.3f} over buckets of >= {draft_calibration.MIN_TOKENS}; {cal['over_target']} "
+                 f"more than {cal['target_gap']} off, where a calibrated rule would be by chance in "
+                 f"{cal['over_target_by_chance']:.2f})",
                  {r["bucket"]: r for r in calib_rows}, ["tokens", "predicted", "realised", "gap", "standard_error"]),
           file=sys.stderr)
     for name, rows in ablations.items():

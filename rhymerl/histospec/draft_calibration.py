@@ -8,6 +8,7 @@ from typing import Sequence
 BUCKETS = 10
 FIELDS = ("tokens", "predicted", "accepted")
 MIN_TOKENS = 200  # a bucket's realised rate is read only over at least this many positions
+TARGET_GAP = 0.05  # the most a bucket's realised rate should differ from its prediction
 
 
 def bucket_label(b: int) -> str:
@@ -61,3 +62,17 @@ def table(counts: dict, prefix: str = "calibration/") -> list[dict]:
 def worst_gap(counts: dict, min_tokens: int = MIN_TOKENS, prefix: str = "calibration/") -> float:
     """The largest |realised - predicted| over buckets of at least ``min_tokens`` positions (0 if none)."""
     return max((abs(r["gap"]) for r in table(counts, prefix) if r["tokens"] >= min_tokens), default=0.0)
+
+
+def chance_over(counts: dict, gap: float = TARGET_GAP, min_tokens: int = MIN_TOKENS,
+                prefix: str = "calibration/") -> float:
+    """How many buckets of at least ``min_tokens`` positions a perfectly calibrated rule would put more than
+    ``gap`` off by sampling alone (at most: each realised rate taken as binomial at its bucket's mean
+    prediction, normally approximated). What ``worst_gap`` is read against: beyond it, a gap is bias."""
+    out = 0.0
+    for r in table(counts, prefix):
+        if r["tokens"] >= min_tokens:
+            p = r["predicted"]
+            se = math.sqrt(max(p * (1.0 - p), 0.0) / r["tokens"])
+            out += math.erfc(gap / (se * math.sqrt(2.0))) if se > 0 else 0.0
+    return out

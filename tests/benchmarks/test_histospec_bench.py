@@ -84,6 +84,9 @@ def test_bench_json_contract_and_ordering(capsys, tmp_path):
     assert cal["buckets"] and sum(r["tokens"] for r in cal["buckets"]) > 0
     assert all(abs(r["gap"] - (r["realised"] - r["predicted"])) < 1e-3 for r in cal["buckets"])
     assert 0.0 <= cal["worst_gap"] <= 1.0 and cal["min_tokens"] > 0
+    read = [r for r in cal["buckets"] if r["tokens"] >= cal["min_tokens"]]
+    assert cal["over_target"] == sum(abs(r["gap"]) > cal["target_gap"] for r in read)
+    assert 0.0 <= cal["over_target_by_chance"] <= len(read)
 
 
 def test_quick_ablations_scale_the_rule_against_the_same_clock(capsys):

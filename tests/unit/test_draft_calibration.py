@@ -47,3 +47,22 @@ def test_counts_add_up_over_engines_and_a_calibrated_model_has_small_gaps():
         p = rng.uniform(0.6, 1.0)
         off.observe([p], int(rng.random() < p / 2))
     assert calibration.worst_gap(off.counts()) > 0.2
+
+
+def test_chance_over_is_what_sampling_alone_puts_past_the_target():
+    # 100 positions at 0.5: a standard error of 0.05, so a calibrated rule is 5 points off 31.7% of the time.
+    half = {"calibration/0.5/tokens": 100, "calibration/0.5/predicted": 50.0, "calibration/0.5/accepted": 50}
+    assert calibration.chance_over(half, min_tokens=100) == pytest.approx(0.3173, abs=1e-4)
+    assert calibration.chance_over(half) == 0.0  # under MIN_TOKENS: not read
+    # Summed over buckets, and matching how often simulated calibrated buckets do cross the line.
+    rng = random.Random(1)
+    crossed, expected = 0, 0.0
+    for _ in range(200):
+        c = Calibration()
+        for _ in range(300):
+            p = rng.choice([0.65, 0.85])
+            c.observe([p], int(rng.random() < p))
+        counts = c.counts()
+        expected += calibration.chance_over(counts, min_tokens=100)
+        crossed += sum(abs(r["gap"]) > calibration.TARGET_GAP for r in calibration.table(counts) if r["tokens"] >= 100)
+    assert expected == pytest.approx(crossed, rel=0.25) and crossed > 0
