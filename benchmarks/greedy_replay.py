@@ -33,6 +33,7 @@ from transformers import AutoTokenizer
 import yaml
 
 from benchmarks.rollout import quiet_stdout
+from benchmarks.suffix_cache import refill_suffix_cache
 from rhymerl.config import RunConfig, from_dict
 from rhymerl.data import few_shot_pool, load_records, render_prompt
 from rhymerl.histospec import HistoryStore, prompt_key
@@ -40,32 +41,6 @@ from rhymerl.resharding.hf_export import export_checkpoint
 from rhymerl.rollout import RolloutEngine, SamplingSpec
 
 METHODS = ("none", "ngram", "suffix", "histospec")
-
-
-def _suffix_cache_of(worker: Any) -> Any:
-    """The model runner's vLLM suffix proposer (``collective_rpc``)."""
-    runner = getattr(worker, "model_runner", worker)
-    return getattr(runner, "drafter", None)
-
-
-def _warm_suffix(engine: Any, warm: list[tuple[list[int], list[int]]]) -> None:
-    """A fresh suffix cache holding ``warm``'s (prompt, response) pairs, as the run's earlier
-    epochs would have left it."""
-    from arctic_inference.suffix_decoding import SuffixDecodingCache  # optional: vLLM's suffix method
-
-    def refill(worker: Any, pairs=warm) -> int:
-        drafter = _suffix_cache_of(worker)
-        old = drafter.suffix_cache
-        cache = SuffixDecodingCache(max_tree_depth=old.max_tree_depth, max_cached_requests=old.max_cached_requests)
-        for i, (prompt, response) in enumerate(pairs):
-            rid = f"warm-{i}"
-            cache.start_request(rid, prompt)
-            cache.add_active_response(rid, response)
-            cache.stop_request(rid)
-        drafter.suffix_cache = cache
-        return len(pairs)
-
-    engine.llm.collective_rpc(refill)
 
 
 def _known_keys(data: dict, cls: type) -> dict:
@@ -131,7 +106,7 @@ def run(args: Any) -> dict:
                     eng.set_history(HistoryStore.from_bytes(history_bytes, cfg.histospec))
                     eng.load_drafter_state(drafter_state)
                 elif method == "suffix":
-                    _warm_suffix(eng, warm)
+                    refill_suffix_cache(eng, warm)
                 load = os.getloadavg()[0]
                 t0, c0 = time.perf_counter(), time.process_time()
                 res = eng.generate(prompts, args.n, sampling, epoch=cfg.run.epochs, record_history=False,

@@ -12,6 +12,10 @@ Two workloads:
   ``--train-epochs 0`` skips training: the base policy, the history from an untimed pass.
 * ``--model M`` without a config: the built-in chat questions (the older workload).
 
+Each method runs ``--repeats`` times (3), interleaved with the others, the order rotating,
+each repeat from the same drafter state (HistoSpec the run's history afresh, ``suffix`` an
+empty cache and its untimed pass); a method's figures are its median-wall run's.
+
 ``--sweep`` times none and HistoSpec over temperature {0, 0.7, 1.0} x concurrent requests
 {1, 8, 32, 64} with the same history and prints HistoSpec's wall-time ratio to none in every
 cell (``--sweep-temperatures`` / ``--sweep-concurrency`` pick a subset). A cell writes at
@@ -320,35 +324,52 @@ def _fill_history(w: Workload) -> None:
 
 
 def run(args) -> dict:
+    """Every method over the workload's next epoch, ``args.repeats`` times, interleaved (the order
+    rotating), each repeat from the same drafter state; a method's figures are its median-wall run's."""
     from rhymerl.distributed.devices import get_cpu_threads
+    from rhymerl.rollout import RolloutError
+
+    from benchmarks.suffix_cache import refill_suffix_cache
 
     w = _config_workload(args) if args.config else _model_workload(args)
     temp = w.rollout.temperature
     if w.history is None and "histospec" in args.methods:
         _fill_history(w)
     results: dict = {}
-    for method in args.methods:
-        t0 = time.perf_counter()
-        from rhymerl.rollout import RolloutError
-
-        try:
-            eng = w.engine(method, len(w.prompts) * w.rollout.n)
-        except RolloutError as e:
-            results[method] = {"error": str(e)}
-            print(f"[{method}] skipped: {e}", file=sys.stderr)
-            continue
-        startup = time.perf_counter() - t0
-        try:
-            _warm(eng, w, temp)
-            if method == "suffix":
-                _epoch(eng, w, temp, seed_offset=1)  # fills suffix decoding's own response cache
-            r = _epoch(eng, w, temp, seed_offset=0)
-        finally:
+    engines: dict = {}
+    try:
+        for method in args.methods:
+            t0 = time.perf_counter()
+            try:
+                engines[method] = w.engine(method, len(w.prompts) * w.rollout.n)
+            except RolloutError as e:
+                results[method] = {"error": str(e)}
+                print(f"[{method}] skipped: {e}", file=sys.stderr)
+                continue
+            results[method] = {"startup_s": time.perf_counter() - t0}
+            _warm(engines[method], w, temp)
+        runs: dict = {m: [] for m in engines}
+        names = list(engines)
+        for rep in range(args.repeats):
+            for method in names[rep % len(names):] + names[:rep % len(names)]:
+                eng = engines[method]
+                # Nothing a drafter learnt in the warm-up or an earlier repeat carries over.
+                if method == "histospec":
+                    eng.set_history(w.history_copy(eng.vocab_size))
+                elif method == "suffix":
+                    refill_suffix_cache(eng)
+                    _epoch(eng, w, temp, seed_offset=1)  # fills suffix decoding's own response cache
+                r = _epoch(eng, w, temp, seed_offset=0)
+                runs[method].append(r)
+                print(f"[{method}] repeat {rep + 1}/{args.repeats}: {r['wall_s']:.2f}s {r['tokens_per_s']:.0f} tok/s "
+                      f"tok/fwd {r['tokens_per_forward']:.2f} acc {r['acceptance_rate']:.2f}", file=sys.stderr)
+    finally:
+        for eng in reversed(list(engines.values())):
             eng.shutdown()
-        r["startup_s"] = startup
-        results[method] = r
-        print(f"[{method}] {r['wall_s']:.2f}s {r['tokens_per_s']:.0f} tok/s tok/fwd {r['tokens_per_forward']:.2f} "
-              f"acc {r['acceptance_rate']:.2f}", file=sys.stderr)
+    for method, rs in runs.items():
+        results[method] = {**median_run(rs, key=lambda r: r["wall_s"]), **results[method],
+                           "wall_s_repeats": [round(r["wall_s"], 3) for r in rs],
+                           "tokens_per_forward_repeats": [round(r["tokens_per_forward"], 4) for r in rs]}
     base = results.get("none", {}).get("wall_s")
     for r in results.values():
         if "wall_s" in r:
@@ -356,7 +377,7 @@ def run(args) -> dict:
     out = {"workload": args.config or args.model, "temperature": temp, "n": w.rollout.n, "prompts": len(w.prompts),
            "max_tokens": w.rollout.max_tokens, "num_speculative_tokens": w.rollout.num_speculative_tokens,
            "trained_epochs": args.train_epochs if args.config else 0, "threads": get_cpu_threads(),
-           "methods": results}
+           "repeats": args.repeats, "methods": results}
     if w.trainer is not None:
         w.trainer.close()
     return out
@@ -625,7 +646,7 @@ def _table(out: dict) -> str:
         if "error" in r:
             lines.append(f"{m:<10} error: {r['error']}")
             continue
-        lines.append(f"{m:<10}" + "".join(f"{r.get(c) if r.get(c) is None else round(r[c], 3):>19}" for c in cols))
+        lines.append(f"{m:<10}" + "".join(f"{'-' if r.get(c) is None else round(r[c], 3):>19}" for c in cols))
     return "\n".join(lines)
 
 
@@ -653,7 +674,7 @@ def main(argv: list[str]) -> int:
     # The sweep's own options default to None so that one given without --sweep is refused, not ignored.
     sweep_defaults = {"sweep_temperatures": ",".join(map(str, SWEEP_TEMPERATURES)),
                       "sweep_concurrency": ",".join(map(str, SWEEP_CONCURRENCY)),
-                      "sweep_min_requests": SWEEP_MIN_REQUESTS, "variants": "histospec", "repeats": 3}
+                      "sweep_min_requests": SWEEP_MIN_REQUESTS, "variants": "histospec"}
     p.add_argument("--sweep-temperatures",
                    help=f"--sweep: comma-separated temperatures (default {sweep_defaults['sweep_temperatures']})")
     p.add_argument("--sweep-concurrency",
@@ -667,15 +688,14 @@ def main(argv: list[str]) -> int:
                    help="--sweep: comma-separated HistoSpec variants timed against none in the same cells, "
                         "each histospec[@key=value...] (rollout.* / histospec.* keys), e.g. "
                         f"histospec,histospec@histospec.step_cost=measured (default {sweep_defaults['variants']})")
-    p.add_argument("--repeats", type=int,
-                   help="--sweep: interleaved repetitions of each cell per method (the median is kept; "
-                        f"default {sweep_defaults['repeats']})")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="interleaved repetitions of each method (with --sweep: of each cell); the median is kept")
     add_threads_flag(p)
     p.add_argument("overrides", nargs="*", help="key.sub=value overrides of the config")
     args = p.parse_args(argv)
     given = [f"--{name.replace('_', '-')}" for name in sweep_defaults if getattr(args, name) is not None]
     if given and not args.sweep:
-        p.error(f"{', '.join(given)}: only with --sweep (one run of each method otherwise)")
+        p.error(f"{', '.join(given)}: only with --sweep")
     for name, value in sweep_defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

@@ -347,9 +347,9 @@ def test_engine_figures_over_several_calls_sum_counts_and_recompute_fractions():
 def test_rollout_bench_refuses_sweep_options_without_sweep(capsys):
     from benchmarks import rollout
 
-    # Without --sweep each method runs once: a --repeats there would be silently ignored.
+    # Without --sweep there are no cells or variants: options for them would be silently ignored.
     with pytest.raises(SystemExit) as exc:
-        rollout.main(["--repeats", "5", "--variants", "histospec"])
+        rollout.main(["--repeats", "5", "--variants", "histospec", "--sweep-min-requests", "4"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert "--variants, --repeats: only with --sweep" in err
+    assert "--sweep-min-requests, --variants: only with --sweep" in err
