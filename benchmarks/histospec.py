@@ -699,8 +699,7 @@ def main(argv: list[str]) -> int:
               "calibration": {"buckets": calib_rows, "min_tokens": draft_calibration.MIN_TOKENS,
                               "worst_gap": round(draft_calibration.worst_gap(calib_counts), 4),
                               "target_gap": draft_calibration.TARGET_GAP,
-                              "over_target": sum(abs(r["gap"]) > draft_calibration.TARGET_GAP for r in calib_rows
-                                                 if r["tokens"] >= draft_calibration.MIN_TOKENS),
+                              "over_target": draft_calibration.count_over(calib_counts),
                               "over_target_by_chance": round(draft_calibration.chance_over(calib_counts), 3)},
               "history_index": history_index,
               "ordering_chain>=suffix>=ngram>=1": order_ok,

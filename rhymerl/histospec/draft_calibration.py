@@ -64,6 +64,12 @@ def worst_gap(counts: dict, min_tokens: int = MIN_TOKENS, prefix: str = "calibra
     return max((abs(r["gap"]) for r in table(counts, prefix) if r["tokens"] >= min_tokens), default=0.0)
 
 
+def count_over(counts: dict, gap: float = TARGET_GAP, min_tokens: int = MIN_TOKENS,
+               prefix: str = "calibration/") -> int:
+    """Buckets of at least ``min_tokens`` positions whose realised rate is more than ``gap`` off."""
+    return sum(abs(r["gap"]) > gap for r in table(counts, prefix) if r["tokens"] >= min_tokens)
+
+
 def chance_over(counts: dict, gap: float = TARGET_GAP, min_tokens: int = MIN_TOKENS,
                 prefix: str = "calibration/") -> float:
     """How many buckets of at least ``min_tokens`` positions a perfectly calibrated rule would put more than

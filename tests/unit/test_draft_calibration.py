@@ -54,6 +54,9 @@ def test_chance_over_is_what_sampling_alone_puts_past_the_target():
     half = {"calibration/0.5/tokens": 100, "calibration/0.5/predicted": 50.0, "calibration/0.5/accepted": 50}
     assert calibration.chance_over(half, min_tokens=100) == pytest.approx(0.3173, abs=1e-4)
     assert calibration.chance_over(half) == 0.0  # under MIN_TOKENS: not read
+    assert calibration.count_over(half, min_tokens=100) == 0
+    off = dict(half, **{"calibration/0.5/accepted": 56})
+    assert calibration.count_over(off, min_tokens=100) == 1 and calibration.count_over(off) == 0
     # Summed over buckets, and matching how often simulated calibrated buckets do cross the line.
     rng = random.Random(1)
     crossed, expected = 0, 0.0
@@ -64,5 +67,5 @@ def test_chance_over_is_what_sampling_alone_puts_past_the_target():
             c.observe([p], int(rng.random() < p))
         counts = c.counts()
         expected += calibration.chance_over(counts, min_tokens=100)
-        crossed += sum(abs(r["gap"]) > calibration.TARGET_GAP for r in calibration.table(counts) if r["tokens"] >= 100)
+        crossed += calibration.count_over(counts, min_tokens=100)
     assert expected == pytest.approx(crossed, rel=0.25) and crossed > 0
