@@ -221,15 +221,38 @@ def _discarded_kernels(worker: Any) -> int:
     return sum(1 for m in _runner_of(worker).model.modules() if getattr(m, "cpu_linear", None) is _discarded_kernel)
 
 
-def _retie_embeddings(worker: Any) -> bool:
-    """Re-tie lm_head after a reload: vLLM 0.32 finds no tensor for a tied one and restores its *old* kernel."""
+def _tied_model(worker: Any) -> Optional[tuple[Any, Any]]:
+    """(model, its inner model holding ``embed_tokens``) where the output head is tied to the embedding."""
     model = _runner_of(worker).model
     model = getattr(model, "model", model) if not hasattr(model, "lm_head") else model
     inner = getattr(model, "model", None)
     cfg = getattr(model, "config", None)
     if not (hasattr(model, "lm_head") and inner is not None and hasattr(inner, "embed_tokens")
             and getattr(cfg, "tie_word_embeddings", False)):
+        return None
+    return model, inner
+
+
+def _quiet_expected_reload_warnings(worker: Any) -> list[str]:
+    """Silence vLLM's reload warning for the layers it is expected for here; returns their classes."""
+    from rhymerl.rollout import reload_warnings
+
+    # By base-class name: every rotary variant derives from it, wherever a vLLM release keeps the module.
+    names = {type(m).__name__ for m in _runner_of(worker).model.modules()
+             if any(c.__name__ == "RotaryEmbeddingBase" for c in type(m).__mro__)}
+    tied = _tied_model(worker)
+    if tied is not None:
+        names.add(type(tied[0].lm_head).__name__)
+    reload_warnings.install(names)
+    return sorted(names)
+
+
+def _retie_embeddings(worker: Any) -> bool:
+    """Re-tie lm_head after a reload: vLLM 0.32 finds no tensor for a tied one and restores its *old* kernel."""
+    tied = _tied_model(worker)
+    if tied is None:
         return False
+    model, inner = tied
     head = model.lm_head.tie_weights(inner.embed_tokens)
     # On CPU the output GEMM runs from a kernel packed at load time: repack.
     head.quant_method.process_weights_after_loading(head)
@@ -387,6 +410,7 @@ class RolloutEngine:
         self.step_costs = device_costs.for_engine(
             self.on_cpu, text_cfg, dtype, placement.tensor_parallel, cfg.max_tokens, cfg.max_num_seqs,
             "" if self.on_cpu else current_platform.get_device_name())
+        self.quiet_reload_layers: list[str] = self.llm.collective_rpc(_quiet_expected_reload_warnings)[0]
         self._meter: Optional[_DrafterMeter] = None
         if spec is not None:
             if placement.tensor_parallel > 1:
