@@ -46,6 +46,8 @@ class RunData:
 
 # Ratio metrics: an epoch's figure is the ratio of the epoch's sums, not the mean of step ratios.
 EPOCH_RATIOS = {"histospec/tokens_per_forward": ("histospec/generated_tokens", "histospec/target_forwards"),
+                "histospec/history_tokens_per_forward": ("histospec/source/history/accepted",
+                                                         "histospec/target_forwards"),
                 "histospec/acceptance": ("histospec/draft_accepted", "histospec/draft_proposed")}
 # Means over a step's responses: an epoch's mean weighs each step by its responses.
 EPOCH_WEIGHTS = {"reward/mean": "rollout/responses", "reward/accuracy": "rollout/responses"}
@@ -152,8 +154,13 @@ def _fig_speculation(run: RunData, ax) -> bool:
         return False
     if ep:
         ax.plot(ep, tpf, marker="o", color="tab:blue", label="tokens per forward")
+        ep3, hist = run.by_epoch("histospec/history_tokens_per_forward")
+        if ep3:
+            ax.plot(ep3, hist, marker="^", color="tab:green", label="accepted from earlier responses, per forward")
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_ylabel("tokens per target forward")
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left")
     if ep2:
         ax2 = ax.twinx()
         ax2.plot(ep2, acc, marker="s", color="tab:orange", label="draft acceptance")
@@ -253,7 +260,7 @@ def _render_png(draw: Callable, run: RunData) -> Optional[bytes]:
 
 
 # The headline's figures, per epoch: steps compare prompt draws; every epoch sees all prompts.
-HEADLINE = ("reward/mean", "reward/accuracy", "histospec/tokens_per_forward")
+HEADLINE = ("reward/mean", "reward/accuracy", "histospec/tokens_per_forward", "histospec/history_tokens_per_forward")
 
 
 def _direction(first: float, last: float) -> str:

@@ -54,7 +54,8 @@ def _scalar(v: Any) -> Any:
 
 HEADLINE = {  # metric -> short console label
     "epoch": "epoch", "reward/mean": "reward", "reward/accuracy": "acc", "response/len_mean": "len",
-    "histospec/acceptance": "accept", "histospec/tokens_per_forward": "tok/fwd", "train/loss": "loss",
+    "histospec/acceptance": "accept", "histospec/tokens_per_forward": "tok/fwd",
+    "histospec/history_tokens_per_forward": "hist/fwd", "train/loss": "loss",
     "train/logprob_max_abs": "lp_diff", "time/rollout_s": "rollout_s", "time/train_s": "train_s",
     "time/step_s": "step_s"}
 

@@ -16,8 +16,8 @@ ADDITIVE_ENGINE = ("draft_proposed", "draft_accepted", "target_forwards", "gener
 ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "reward/workers_restarted", "rollout/responses",
                      "rollout/generated_tokens", "rollout/engine_steps/", "rollout/instance_s/", "histospec/source/",
                      "histospec/calibration/")
-RATIOS = ("acceptance", "tokens_per_forward", "history_served_fraction", "steps_without_drafts_fraction",
-          "searches_skipped_fraction")
+RATIOS = ("acceptance", "tokens_per_forward", "history_tokens_per_forward", "history_served_fraction",
+          "steps_without_drafts_fraction", "searches_skipped_fraction")
 
 
 def sum_engine_metrics(ms: Sequence[dict]) -> dict:
@@ -31,6 +31,10 @@ def sum_engine_metrics(ms: Sequence[dict]) -> dict:
         out[k] = float(sum(vals) / len(vals))
     out["acceptance"] = tot["draft_accepted"] / tot["draft_proposed"] if tot["draft_proposed"] else 0.0
     out["tokens_per_forward"] = tot["generated_tokens"] / tot["target_forwards"] if tot["target_forwards"] else 1.0
+    if "source/history/accepted" in out:
+        # What the prompts' earlier responses add per forward: none in the first epoch, by construction.
+        out["history_tokens_per_forward"] = (out["source/history/accepted"] / tot["target_forwards"]
+                                             if tot["target_forwards"] else 0.0)
     return out
 
 
@@ -69,7 +73,8 @@ def merge_round_metrics(into: dict, extra: dict, rounds: int) -> None:
             into[k] = (into[k] * rounds + v) / (rounds + 1)
         else:
             into.setdefault(k, v)
-    spec = sum_engine_metrics([{k: into.get(f"histospec/{k}", 0) for k in ADDITIVE_ENGINE}])
+    sources = {k.removeprefix("histospec/"): v for k, v in into.items() if k.startswith("histospec/source/")}
+    spec = sum_engine_metrics([{**{k: into.get(f"histospec/{k}", 0) for k in ADDITIVE_ENGINE}, **sources}])
     for k in RATIOS:
         if f"histospec/{k}" in into:
             into[f"histospec/{k}"] = spec[k]

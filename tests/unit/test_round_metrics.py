@@ -15,7 +15,8 @@ def _round(requests, with_history, steps, bypassed, searches, skipped, proposed,
               "histospec/steps_without_drafts_fraction": bypassed / steps,
               "histospec/searches_skipped_fraction": skipped / (searches + skipped),
               "histospec/acceptance": accepted / proposed, "histospec/tokens_per_forward": tokens / forwards,
-              "histospec/source/history/drafts": 3, "time/rollout_s": 2.0})
+              "histospec/source/history/drafts": 3, "histospec/source/history/accepted": accepted // 2,
+              "histospec/history_tokens_per_forward": accepted // 2 / forwards, "time/rollout_s": 2.0})
     return m
 
 
@@ -30,6 +31,7 @@ def test_refill_rounds_recompute_every_ratio_from_the_summed_counts():
     assert step["histospec/searches_skipped_fraction"] == 110 / 180
     assert step["histospec/acceptance"] == 21 / 50 and step["histospec/tokens_per_forward"] == 220 / 150
     assert step["histospec/source/history/drafts"] == 6  # per-source counts add up too
+    assert step["histospec/history_tokens_per_forward"] == (10 + 0) / 150
 
 
 def test_instances_sum_their_counts_by_source():
@@ -42,3 +44,13 @@ def test_instances_sum_their_counts_by_source():
     out = _sum_engine_metrics([a, b])
     assert out["source/history/drafts"] == 6 and out["source/group/accepted"] == 2
     assert out["searches_skipped_fraction"] == 0.25 and out["search_us_per_request"] == 50.0
+
+
+def test_history_tokens_per_forward_counts_only_the_history_source():
+    from rhymerl.rollout.metrics import sum_engine_metrics
+
+    a = {"target_forwards": 30, "generated_tokens": 60, "source/history/accepted": 12, "source/group/accepted": 18}
+    b = {"target_forwards": 10, "generated_tokens": 10, "source/history/accepted": 0}
+    assert sum_engine_metrics([a, b])["history_tokens_per_forward"] == 12 / 40
+    # A method without HistoSpec's sources has no such figure (not a zero that reads as "history never paid").
+    assert "history_tokens_per_forward" not in sum_engine_metrics([{"target_forwards": 10, "generated_tokens": 20}])
