@@ -5,13 +5,15 @@
 Runs ``python -m rhymerl train CONFIG run.seed=S run.output_dir=OUT/seed-S`` once per seed, one
 after the other (the README's command, without setup), each in a process of its own, its log in
 ``OUT/seed-S.log``. Then prints per seed, from the run's own ``metrics.jsonl``, the per-epoch
-mean reward, accuracy, HistoSpec tokens per forward and response length (the figures of
-``rhymerl report``'s headline), the wall time of the process and the training time (the sum of
-its steps' ``time/step_s``), and the host's load average before and after (the host may be
-shared: times are comparable only with runs measured under the same load). The verdict: at
-every seed the last epoch's mean reward is above the first's, and the last epoch's tokens per
-forward above the second's (the first epoch has no history to draft from). ``--json`` prints
-one JSON object on stdout instead. Exit status 1 when a run fails or the verdict does not hold.
+mean reward, accuracy, HistoSpec tokens per forward, the draft tokens accepted from the prompts'
+earlier responses per forward, and response length (the figures of ``rhymerl report``'s
+headline), the wall time of the process and the training time (the sum of its steps'
+``time/step_s``), and the host's load average before and after (the host may be shared: times
+are comparable only with runs measured under the same load). The verdict: at every seed the last
+epoch's mean reward is above the first's, the last epoch's tokens per forward above the second's
+(the first epoch has no history to draft from), and the second epoch accepts drafts from the
+prompts' earlier responses. ``--json`` prints one JSON object on stdout instead. Exit
+status 1 when a run fails or the verdict does not hold.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ FIGURES = {
     "reward": "reward/mean",
     "accuracy": "reward/accuracy",
     "tokens_per_forward": "histospec/tokens_per_forward",
+    "history_per_forward": "histospec/history_tokens_per_forward",
     "response_len": "response/len_mean",
 }
 # The trainer's one console line per step, echoed while a run goes.
@@ -48,6 +51,10 @@ def seed_summary(rows: list[dict]) -> dict:
     rew, tpf = out["reward"], out["tokens_per_forward"]
     out["reward_rose"] = len(rew) >= 2 and rew[-1] > rew[0]
     out["tokens_per_forward_rose"] = len(tpf) >= 3 and tpf[-1] > tpf[1]
+    hist = out["history_per_forward"]
+    # The promise is that history pays from the second epoch; later, a policy that loops may draft
+    # better from its own output, and the rule rightly switches sources.
+    out["history_paid"] = len(hist) >= 2 and hist[1] > 0
     return out
 
 
@@ -56,14 +63,16 @@ def verdict(runs: dict) -> tuple[bool, str]:
     n = len(runs)
     rose = sum(r["reward_rose"] for r in runs.values())
     paid = sum(r["tokens_per_forward_rose"] for r in runs.values())
+    hist = sum(r["history_paid"] for r in runs.values())
     train = [r["train_s"] for r in runs.values()]
     wall = [r["wall_s"] for r in runs.values() if "wall_s" in r]
-    ok = n > 0 and rose == n and paid == n
+    ok = n > 0 and rose == n and paid == n and hist == n
     times = f"training {min(train):.0f}-{max(train):.0f} s" if train else "no runs"
     if wall:
         times += f", wall {min(wall):.0f}-{max(wall):.0f} s"
     return ok, (f"verdict: {'PASS' if ok else 'FAIL'}: reward higher in the last epoch than the first at {rose} of "
-                f"{n} seeds; tokens per forward higher in the last epoch than the second at {paid} of {n}; {times}")
+                f"{n} seeds; tokens per forward higher in the last epoch than the second at {paid} of {n}; drafts "
+                f"from earlier responses accepted in the second epoch at {hist} of {n}; {times}")
 
 
 def format_seed(seed: int, r: dict) -> str:
@@ -71,7 +80,8 @@ def format_seed(seed: int, r: dict) -> str:
     if "wall_s" in r:
         head += f", wall {r['wall_s']:.0f} s (load average {r['load_before']:.1f} before, {r['load_after']:.1f} after)"
     lines = [head, f"  {'epoch':<20}" + "".join(f"{e:>7}" for e in r["epochs"])]
-    for name, fmt in (("reward", ".3f"), ("accuracy", ".3f"), ("tokens_per_forward", ".2f"), ("response_len", ".0f")):
+    for name, fmt in (("reward", ".3f"), ("accuracy", ".3f"), ("tokens_per_forward", ".2f"),
+                      ("history_per_forward", ".2f"), ("response_len", ".0f")):
         if r.get(name):
             lines.append(f"  {name:<20}" + "".join(f"{v:>7{fmt}}" for v in r[name]))
     return "\n".join(lines)
