@@ -32,7 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments (see `python -m benchmarks NAME --help`)")
     args = p.parse_args(argv)
     module = importlib.import_module(COMMANDS[args.name][0])
-    return int(module.main(args.args) or 0)
+    from rhymerl.config import ConfigError
+    from rhymerl.outputs.traces import TraceError
+
+    try:
+        return int(module.main(args.args) or 0)
+    except (ConfigError, TraceError) as e:
+        # A bad config or trace file is the user's input: the message, not a traceback.
+        print(f"python -m benchmarks {args.name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

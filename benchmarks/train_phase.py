@@ -34,7 +34,14 @@ def trace_batch(path: Path, rows: int, prompt_tokens: int, step: int):
 
     from rhymerl.training.base import PolicyBatch
 
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from rhymerl.outputs.jsonl import iter_jsonl
+    from rhymerl.outputs.traces import TraceError
+
+    if not path.is_file():
+        raise TraceError(f"trace file {path} does not exist")
+    recs = [r for _, r in iter_jsonl(path, TraceError)]
+    if not recs or not all(isinstance(r, dict) and isinstance(r.get("token_ids"), list) for r in recs):
+        raise TraceError(f"{path}: every line must be a JSON object with token_ids")
     steps = sorted({r.get("step", 0) for r in recs})
     pick = [r for r in recs if r.get("step", 0) == steps[min(step, len(steps) - 1)]][:rows]
     g = torch.Generator().manual_seed(0)
