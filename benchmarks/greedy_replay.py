@@ -32,7 +32,7 @@ from transformers import AutoTokenizer
 
 import yaml
 
-from benchmarks.rollout import quiet_stdout
+from benchmarks.rollout import quiet_stdout, rotated
 from benchmarks.suffix_cache import refill_suffix_cache
 from rhymerl.config import RunConfig, from_dict
 from rhymerl.data import few_shot_pool, load_records, render_prompt
@@ -99,8 +99,7 @@ def run(args: Any) -> dict:
         for method, eng in engines.items():  # untimed warm-up: first use of each code path
             eng.generate(prompts[:1], 1, replace(sampling, max_tokens=8), record_history=False)
         for rep in range(args.repeats):
-            order = list(args.methods[rep % len(args.methods):]) + list(args.methods[:rep % len(args.methods)])
-            for method in order:
+            for method in rotated(args.methods, rep):
                 eng = engines[method]
                 if method == "histospec":
                     eng.set_history(HistoryStore.from_bytes(history_bytes, cfg.histospec))

@@ -351,7 +351,7 @@ def run(args) -> dict:
         runs: dict = {m: [] for m in engines}
         names = list(engines)
         for rep in range(args.repeats):
-            for method in names[rep % len(names):] + names[:rep % len(names)]:
+            for method in rotated(names, rep):
                 eng = engines[method]
                 # Nothing a drafter learnt in the warm-up or an earlier repeat carries over.
                 if method == "histospec":
@@ -502,6 +502,12 @@ def equal_lengths_ratios(fit: tuple, runs: Sequence[dict]) -> tuple[float, list]
     every repeat's ratio, sorted."""
     eq = sorted(equal_lengths_ratio(fit, r) for r in runs)
     return (statistics.median(eq) if eq else 0.0), eq
+
+
+def rotated(items: Sequence, rep: int) -> list:
+    """``items`` in repeat ``rep``'s order: rotated by ``rep``, so each takes every place in turn."""
+    k = rep % len(items) if items else 0
+    return list(items[k:]) + list(items[:k])
 
 
 def median_run(runs: list, key: Callable[[Any], float]) -> Any:

@@ -353,3 +353,14 @@ def test_rollout_bench_refuses_sweep_options_without_sweep(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--sweep-min-requests, --variants: only with --sweep" in err
+
+
+def test_repeats_rotate_the_method_order_and_survive_no_methods():
+    from benchmarks.rollout import rotated
+
+    names = ["none", "suffix", "histospec"]
+    assert [rotated(names, rep) for rep in range(4)] == [
+        names, ["suffix", "histospec", "none"], ["histospec", "none", "suffix"], names]
+    assert rotated(("a", "b"), 1) == ["b", "a"]
+    # Every engine failed to build (each method reported as skipped): no repeat has anything to run.
+    assert rotated([], 2) == []
