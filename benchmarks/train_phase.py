@@ -34,29 +34,24 @@ def trace_batch(path: Path, rows: int, prompt_tokens: int, step: int):
 
     from rhymerl.training.base import PolicyBatch
 
-    from rhymerl.outputs.jsonl import iter_jsonl
-    from rhymerl.outputs.traces import TraceError
+    from rhymerl.outputs.traces import read_trace
 
-    if not path.is_file():
-        raise TraceError(f"trace file {path} does not exist")
-    recs = [r for _, r in iter_jsonl(path, TraceError)]
-    if not recs or not all(isinstance(r, dict) and isinstance(r.get("token_ids"), list) for r in recs):
-        raise TraceError(f"{path}: every line must be a JSON object with token_ids")
-    steps = sorted({r.get("step", 0) for r in recs})
-    pick = [r for r in recs if r.get("step", 0) == steps[min(step, len(steps) - 1)]][:rows]
+    recs = read_trace(path)
+    steps = sorted({r.step or 0 for r in recs})
+    pick = [r for r in recs if (r.step or 0) == steps[min(step, len(steps) - 1)]][:rows]
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 20000, (prompt_tokens,), generator=g).tolist()
-    T = prompt_tokens + max(len(r["token_ids"]) for r in pick)
+    T = prompt_tokens + max(len(r.token_ids) for r in pick)
     ids = torch.zeros(len(pick), T, dtype=torch.long)
     mask = torch.zeros(len(pick), T)
     for i, r in enumerate(pick):
-        row = prompt + list(r["token_ids"])
+        row = prompt + list(r.token_ids)
         ids[i, :len(row)] = torch.tensor(row)
         mask[i, prompt_tokens:len(row)] = 1.0
     # No row at advantage 0, which the backends would leave out: every row trains.
     n = len(pick)
     adv = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0) * torch.linspace(0.5, 1.0, n)
-    lengths = [len(r["token_ids"]) for r in pick]
+    lengths = [len(r.token_ids) for r in pick]
     return PolicyBatch(input_ids=ids, response_mask=mask, advantages=adv), lengths
 
 

@@ -24,6 +24,7 @@ class TraceRecord:
     logprobs: Optional[list[float]] = None
     reward: Optional[float] = None
     prompt_token_ids: Optional[list[int]] = None
+    step: Optional[int] = None  # the training step that wrote it (runs' traces.jsonl carry it)
 
     def to_json(self) -> str:
         d = {"prompt_id": self.prompt_id, "epoch": self.epoch, "sample_idx": self.sample_idx, "token_ids": self.token_ids}
@@ -33,6 +34,8 @@ class TraceRecord:
             d["reward"] = self.reward
         if self.prompt_token_ids is not None:
             d["prompt_token_ids"] = self.prompt_token_ids
+        if self.step is not None:
+            d["step"] = self.step
         return json.dumps(d)
 
 
@@ -55,11 +58,13 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
                 raise TraceError(f"{path}:{i}: missing {key!r}")
         if not isinstance(d["epoch"], int) or not isinstance(d["sample_idx"], int):
             raise TraceError(f"{path}:{i}: epoch and sample_idx must be integers")
+        if not isinstance(d.get("step", 0), int):
+            raise TraceError(f"{path}:{i}: step must be an integer")
         rec = TraceRecord(
             prompt_id=str(d["prompt_id"]), epoch=d["epoch"], sample_idx=d["sample_idx"],
             token_ids=_int_list(d["token_ids"], str(path), i, "token_ids"), logprobs=d.get("logprobs"),
             reward=d.get("reward"), prompt_token_ids=_int_list(d["prompt_token_ids"], str(path), i, "prompt_token_ids")
-            if d.get("prompt_token_ids") is not None else None)
+            if d.get("prompt_token_ids") is not None else None, step=d.get("step"))
         if rec.logprobs is not None and len(rec.logprobs) != len(rec.token_ids):
             raise TraceError(f"{path}:{i}: logprobs has {len(rec.logprobs)} entries for {len(rec.token_ids)} tokens")
         out.append(rec)
