@@ -84,7 +84,7 @@ class LiveDispatch:
         admissions = [0] * R
         fwd = [0] * R
         gen_here = [0] * R  # tokens each request generated on this rank's engine
-        steps_here = 0
+        steps_here, idle_here = 0, 0
         fresh = self._fresh = set()  # admitted since the last engine step: prefilled in the next
         vid_of: dict[str, int] = {}  # this rank's vLLM request id -> request
         running: set[int] = set()  # requests on this rank's engine
@@ -128,7 +128,9 @@ class LiveDispatch:
                 busy += dt
                 if len(samples) < 4096:
                     samples.append((B, K, dt, F))
-                steps_here += any(toks for _, toks, _, _, _ in deltas)
+                emitted = any(toks for _, toks, _, _, _ in deltas)
+                steps_here += emitted
+                idle_here += not emitted
                 for vid, toks, lp, why, done in deltas:
                     r = vid_of.get(vid)
                     if r is None:
@@ -188,8 +190,9 @@ class LiveDispatch:
         # Finished responses are complete on the rank that finished them; share them.
         mine = {r: (tokens[r], lps[r], reason[r]) for r in range(R) if reason[r] is not None}
         here = [r for r in range(R) if fwd[r]]
-        engine_m = self.engine.end_requests([gen_here[r] for r in here], [fwd[r] for r in here], busy, steps_here)
-        report = InstanceReport(engine_steps=steps_here, busy_s=busy, engine=engine_m)
+        engine_m = self.engine.end_requests([gen_here[r] for r in here], [fwd[r] for r in here], busy, steps_here,
+                                          idle_here)
+        report = InstanceReport(engine_steps=steps_here, idle_steps=idle_here, busy_s=busy, engine=engine_m)
         busy_all = comm.all_gather_object((mine, report, samples, fwd))
         out_t: list[list[int]] = [[] for _ in range(R)]
         out_l: list[list[float]] = [[] for _ in range(R)]

@@ -42,9 +42,11 @@ class RolloutBatch:
 
 @dataclass
 class InstanceReport:
-    """What one rollout instance did for a batch: emitting engine steps, busy seconds, engine figures."""
+    """What one rollout instance did for a batch: engine steps that emitted tokens and steps that emitted
+    none, busy seconds, engine figures."""
 
     engine_steps: int = 0
+    idle_steps: int = 0
     busy_s: float = 0.0
     engine: dict = field(default_factory=dict)
 

@@ -517,7 +517,7 @@ class RolloutEngine:
         if no_hist and len(self.history) > 0:
             self._warn_once("nohist", "histospec: %d of %d prompts have no history yet; they get no history drafts",
                             no_hist, len(prompts))
-        steps = 0
+        steps, idle = 0, 0
         done, generated = 0, 0
         if self.progress is not None:
             self.progress.start("rollout", total=len(reqs), unit="responses")
@@ -546,6 +546,7 @@ class RolloutEngine:
                     if proposer is not None:
                         proposer.end_request(ro.request_id, r.token_ids)
             steps += produced
+            idle += not produced
             if self.progress is not None:
                 self.progress.update(done, tokens=generated)
         if self.progress is not None:
@@ -554,7 +555,8 @@ class RolloutEngine:
         if proposer is not None:
             proposer.end_all()
         responses = [r for res in results for r in res.responses]
-        self.end_requests([len(r.token_ids) for r in responses], [r.forwards for r in responses], wall, steps)
+        self.end_requests([len(r.token_ids) for r in responses], [r.forwards for r in responses], wall, steps,
+                          idle)
         if usable and record_history:
             for res in results:
                 self.history.add_group(res.prompt_key, epoch, [r.token_ids for r in res.responses])
@@ -627,8 +629,11 @@ class RolloutEngine:
         if self._core is not None:
             self._core.reset_stats()
 
-    def end_requests(self, lengths: list[int], forwards: list[int], wall: float, steps: int) -> dict:
-        """The batch is done: returns (and keeps, for ``metrics``) its figures."""
+    def end_requests(self, lengths: list[int], forwards: list[int], wall: float, steps: int,
+                     idle_steps: int = 0) -> dict:
+        """The batch is done: returns (and keeps, for ``metrics``) its figures. ``steps`` emitted tokens;
+        ``idle_steps`` emitted none (prefill-only steps, or dummy batches an engine in lock-step with
+        other instances runs until they are all done)."""
         gen, fwd = sum(lengths), sum(forwards)
         accepted = gen - fwd
         m0 = self._batch_start
@@ -638,6 +643,7 @@ class RolloutEngine:
             "method": self.method, "responses": len(lengths), "generated_tokens": gen, "draft_proposed": proposed,
             "draft_accepted": accepted, "drafts": drafts, "acceptance_rate": accepted / proposed if proposed else 0.0,
             "mean_accepted_len": accepted / drafts if drafts else 0.0, "target_forwards": fwd, "engine_steps": steps,
+            "idle_steps": idle_steps,
             "tokens_per_forward": gen / fwd if fwd else 0.0, "tokens_per_s": gen / wall if wall > 0 else 0.0,
             "wall_s": wall, "draft_time_s": dtime, "drafter_calls": calls}
         if self.cpu_threads is not None:

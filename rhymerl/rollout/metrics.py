@@ -14,8 +14,8 @@ ADDITIVE_ENGINE = ("draft_proposed", "draft_accepted", "target_forwards", "gener
                    *STAT_COUNTS)
 # Step figures that add up over DAPO's refill rounds.
 ADDITIVE_PREFIXES = ("time/", "reward/errors", "reward/timeouts", "reward/workers_restarted", "rollout/responses",
-                     "rollout/generated_tokens", "rollout/engine_steps/", "rollout/instance_s/", "histospec/source/",
-                     "histospec/calibration/")
+                     "rollout/generated_tokens", "rollout/engine_steps/", "rollout/idle_steps/", "rollout/instance_s/",
+                     "histospec/source/", "histospec/calibration/")
 RATIOS = ("acceptance", "tokens_per_forward", "history_tokens_per_forward", "history_served_fraction",
           "steps_without_drafts_fraction", "searches_skipped_fraction")
 
@@ -60,6 +60,7 @@ def rollout_metrics(samples: Sequence[Sample], instances: Sequence[InstanceRepor
         **{f"histospec/{k}": v for k, v in sum_engine_metrics([r.engine for r in instances]).items()}}
     for i, r in enumerate(instances):
         out[f"rollout/engine_steps/{i}"] = int(r.engine_steps)
+        out[f"rollout/idle_steps/{i}"] = int(r.idle_steps)
         out[f"rollout/instance_s/{i}"] = r.busy_s
     return out
 

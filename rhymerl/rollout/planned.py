@@ -50,7 +50,8 @@ class PlannedRollout:
                                 logprobs=list(r.logprobs), finish_reason=r.finish_reason))
         # metrics() describes the engine's last batch: an idle instance reports nothing.
         engine_m = self.engine.metrics() if prompts else {}
-        report = InstanceReport(engine_steps=int(engine_m.get("engine_steps", 0)), busy_s=t_gen, engine=engine_m)
+        report = InstanceReport(engine_steps=int(engine_m.get("engine_steps", 0)),
+                                idle_steps=int(engine_m.get("idle_steps", 0)), busy_s=t_gen, engine=engine_m)
         # Every rank of a TP engine holds the same responses: its first rank speaks for it.
         mine_out = (local, report) if self.placement.engine_rank == 0 else None
         gathered = [g for g in self.comm.all_gather_object(mine_out) if g is not None]

@@ -137,9 +137,10 @@ def test_two_ranks_one_rollout_engine_across_both_tp2(tmp_path):
 
 def test_four_ranks_two_tp2_instances_generate_on_their_own(tmp_path):
     """Two rollout instances of two ranks each (rollout.tensor_parallel=2 on 4 ranks) generate
-    independently: an instance given twice the work of the other steps twice as often while
-    the other idles once done, which the bubble shows (instances in vLLM's lock-step stepped
-    together: equal times, a bubble near 0)."""
+    independently: an instance given twice the work of the other steps twice as often, and the
+    other stops stepping once its own requests are done. In vLLM's lock-step (one data-parallel
+    group across instances) the idle instance runs a dummy batch for every step the busy one
+    takes, so its steps that emit nothing would make up the difference."""
     # Groups dealt round-robin (histopipe off): instance 0 gets groups 0 and 2, instance 1 group 1;
     # two sequences at a time, so instance 0 decodes two batches one after the other.
     rows = train(tmp_path, "run.max_steps=3", "data.size=6", "data.prompts_per_step=3", "data.shuffle=false",
@@ -150,10 +151,8 @@ def test_four_ranks_two_tp2_instances_generate_on_their_own(tmp_path):
     for r in rows:
         assert r["rollout/instances"] == 2 and r["rollout/responses"] == 6, r
         assert r["rollout/engine_steps/0"] > r["rollout/engine_steps/1"] > 0, r
-    # The first step's rollout is mostly both engines' warm-up; after it the idle share shows.
-    # (In lock-step it read at most 0.001; a loaded host narrows the gap but not to that.)
-    assert max(r["histopipe/bubble_fraction"] for r in rows[1:]) > 0.02, \
-        [(r["histopipe/bubble_fraction"], r["rollout/instance_s/0"], r["rollout/instance_s/1"]) for r in rows]
+        # Counts, not the bubble: on a loaded host the instances' wall times can come out level.
+        assert r["rollout/idle_steps/1"] < r["rollout/engine_steps/0"] - r["rollout/engine_steps/1"], r
 
 
 def test_accelerations_leave_rewards_unchanged(single_run, tmp_path):

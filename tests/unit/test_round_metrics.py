@@ -54,3 +54,20 @@ def test_history_tokens_per_forward_counts_only_the_history_source():
     assert sum_engine_metrics([a, b])["history_tokens_per_forward"] == 12 / 40
     # A method without HistoSpec's sources has no such figure (not a zero that reads as "history never paid").
     assert "history_tokens_per_forward" not in sum_engine_metrics([{"target_forwards": 10, "generated_tokens": 20}])
+
+
+def test_each_instance_reports_its_steps_with_and_without_tokens():
+    """An engine step that emits nothing (a dummy batch run in lock-step with busier instances)
+    is counted apart per instance, and refill rounds add up both counts."""
+    from rhymerl.rollout.batch import InstanceReport, Sample
+    from rhymerl.rollout.metrics import rollout_metrics
+
+    samples = [Sample(group=0, sample_idx=0, prompt_ids=[1], token_ids=[2, 3], logprobs=[0.0, 0.0],
+                      finish_reason="stop")]
+    reports = [InstanceReport(engine_steps=192, idle_steps=0, busy_s=2.0),
+               InstanceReport(engine_steps=96, idle_steps=3, busy_s=1.0)]
+    step = rollout_metrics(samples, reports, 2.0, {})
+    assert (step["rollout/engine_steps/0"], step["rollout/idle_steps/0"]) == (192, 0)
+    assert (step["rollout/engine_steps/1"], step["rollout/idle_steps/1"]) == (96, 3)
+    merge_round_metrics(step, rollout_metrics(samples, reports, 2.0, {}), 1)
+    assert step["rollout/idle_steps/1"] == 6 and step["rollout/engine_steps/0"] == 384
