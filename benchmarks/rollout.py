@@ -425,30 +425,6 @@ def _closed_batches(run: dict) -> tuple[float, float]:
     return float(run.get("batches", 1)), float(run.get("sum_of_batch_longest", run["longest_response"]))
 
 
-def _nonnegative_lstsq(a, b):
-    """argmin |a x - b| over x >= 0 (numpy arrays, a few columns). Unconstrained, a run's six
-    steps of similar lengths can fit a negative cost per batch, which prices a variant that
-    wrote shorter responses at less than nothing. The optimum is the least-squares solution on
-    its own support, so the best non-negative one over every subset of columns is exact."""
-    import itertools
-
-    import numpy as np
-
-    n = a.shape[1]
-    best, best_res = np.zeros(n), float(b @ b)
-    for k in range(1, n + 1):
-        for cols in itertools.combinations(range(n), k):
-            sol, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
-            if (sol < 0).any():
-                continue
-            x = np.zeros(n)
-            x[list(cols)] = sol
-            res = float(np.sum((a @ x - b) ** 2))
-            if res < best_res:
-                best, best_res = x, res
-    return best
-
-
 def fit_none_time(runs: Sequence[dict]) -> Optional[tuple[float, float, float, float]]:
     """(c0, per_step, per_token, relative rms error) of wall = c0 + per_step * longest +
     per_token * generated over no-speculation runs of closed batches: without speculation a
@@ -460,13 +436,17 @@ def fit_none_time(runs: Sequence[dict]) -> Optional[tuple[float, float, float, f
     unknowns."""
     import numpy as np
 
+    from rhymerl.histopipe.calibration import nonnegative_lstsq
+
     rows = [(*_closed_batches(r), float(r["generated_tokens"]), float(r["wall_s"]))
             for r in runs if r.get("wall_s", 0) > 0 and r.get("longest_response", 0) > 0]
     if len(rows) < 3:
         return None
     a = np.array([r[:3] for r in rows])
     y = np.array([r[3] for r in rows])
-    coef = _nonnegative_lstsq(a / y[:, None], np.ones_like(y))
+    # Unconstrained, a run's six steps of similar lengths can fit a negative cost per batch,
+    # which prices a variant that wrote shorter responses at less than nothing.
+    coef = nonnegative_lstsq(a / y[:, None], np.ones_like(y))
     rel = a @ coef / y - 1.0
     return float(coef[0]), float(coef[1]), float(coef[2]), float(np.sqrt(np.mean(rel * rel)))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Optional
@@ -40,6 +41,25 @@ def save(path: str | Path, cost: DecodeCostModel, source: str, extra: Optional[d
     atomic_write_text(Path(path), json.dumps({"source": source, "cost": cost.to_dict(), **(extra or {})}, indent=1) + "\n")
 
 
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin |a x - b| over x >= 0, for a few columns. The optimum is the least-squares solution
+    on its own support, so the best non-negative one over every subset of columns is exact;
+    dropping whichever term fits negative first is not (a wrong drop can shift the rest)."""
+    n = a.shape[1]
+    best, best_res = np.zeros(n), float(b @ b)
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            sol = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            if (sol < 0).any():
+                continue
+            x = np.zeros(n)
+            x[list(cols)] = sol
+            res = float(np.sum((a @ x - b) ** 2))
+            if res < best_res:
+                best, best_res = x, res
+    return best
+
+
 class StepCostFit:
     """Least-squares fit of step_time = a + b*B + c*K + p*F (F: tokens prefilled in the step)."""
 
@@ -55,19 +75,14 @@ class StepCostFit:
                 del self.rows[: len(self.rows) - self.max_samples]
 
     def fit(self) -> DecodeCostModel:
-        """The prior until enough batch sizes are seen; a term that fits negative is dropped and the rest refitted."""
+        """The prior until enough batch sizes are seen; then every cost >= 0 (a negative one would
+        price a longer step below a shorter one)."""
         if len(self.rows) < 8 or len({r[0] for r in self.rows}) < 3:
             return self.prior
         A = np.array([[1.0, r[0], r[1], r[2]] for r in self.rows])
         y = np.array([r[3] for r in self.rows])
         cols = [0, 1, 2, 3] if A[:, 3].any() else [0, 1, 2]
-        while True:
-            coef = np.linalg.lstsq(A[:, cols], y, rcond=None)[0]
-            neg = [c for c, v in zip(cols, coef) if v < 0 and c != 0]
-            if not neg:
-                break
-            cols.remove(neg[0])
-        full = dict(zip(cols, coef))
+        full = dict(zip(cols, nonnegative_lstsq(A[:, cols], y)))
         return DecodeCostModel(a=max(float(full.get(0, 0.0)), 1e-6), b=float(full.get(1, 0.0)),
                                c=float(full.get(2, 0.0)), p=float(full[3]) if 3 in full else self.prior.p,
                                max_batch=self.prior.max_batch, kv_capacity=self.prior.kv_capacity)

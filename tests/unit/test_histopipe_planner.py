@@ -1,5 +1,6 @@
 import random
 
+import numpy as np
 import pytest
 
 from rhymerl.config import HistoPipeConfig
@@ -100,6 +101,45 @@ def test_cost_model_shape():
     assert DecodeCostModel.for_instance(tp=8).a < cm.a
     with pytest.raises(ValueError, match="does not fit"):
         DecodeCostModel.for_instance(tp=1, weights_gb=100)
+
+
+def test_nonnegative_lstsq_is_the_constrained_optimum():
+    """Exact on random problems: x >= 0 and the KKT conditions of the convex problem hold (the
+    residual's gradient is zero on x's support and points outward, >= 0, off it)."""
+    from rhymerl.histopipe.calibration import nonnegative_lstsq
+
+    rng = np.random.default_rng(0)
+    clipped = 0
+    for _ in range(200):
+        a = rng.normal(size=(12, 4))
+        b = rng.normal(size=12)
+        x = nonnegative_lstsq(a, b)
+        g = a.T @ (a @ x - b)
+        assert (x >= 0).all()
+        assert np.allclose(g[x > 0], 0, atol=1e-9) and (g[x == 0] >= -1e-9).all()
+        clipped += (x == 0).any()
+    assert clipped > 50  # the constraint binds in many of them
+    a = rng.uniform(size=(20, 3))
+    assert np.allclose(nonnegative_lstsq(a, a @ np.array([0.5, 2.0, 0.1])), [0.5, 2.0, 0.1])
+
+
+def test_step_cost_fit_keeps_every_cost_nonnegative():
+    """Steps whose unconstrained fit has a negative fixed cost: the other costs are fitted with
+    the fixed cost at its bound, not fitted beside a negative one and then clipped."""
+    from rhymerl.histopipe import calibration
+
+    fit = calibration.StepCostFit(DecodeCostModel(a=1.0, b=0.0, c=0.0, p=1e-4, max_batch=8, kv_capacity=10**6))
+    rows = [(B, K, 0.003 * B - 0.001 + 2e-7 * K) for B in range(1, 9) for K in (100, 1000, 5000)]
+    for B, K, t in rows:
+        fit.add(B, K, t)
+    got = fit.fit()
+    assert got.a == 1e-6 and got.b > 0 and got.c > 0
+
+    def sse(m):
+        return sum((m.a + m.b * B + m.c * K - t) ** 2 for B, K, t in rows)
+
+    clipped = DecodeCostModel(a=1e-6, b=0.003, c=2e-7, p=1e-4, max_batch=8, kv_capacity=10**6)
+    assert sse(got) < sse(clipped) / 2
 
 
 def test_calibration_file_and_step_cost_fit(tmp_path):
