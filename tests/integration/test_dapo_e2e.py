@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from documented_metrics import undocumented
 
 pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slow]
 
@@ -48,3 +49,4 @@ def test_dapo_refills_train_with_deepspeed_and_a_kl_reference(tmp_path):
     assert rows[0]["train/kl_ref"] == pytest.approx(0.0, abs=1e-6) and rows[1]["train/kl_ref"] > 0.0, rows
     # The data's 4 prompts (answers 6, 8, 6, 16) are all drawn in the two steps: 8 and 16 are dropped.
     assert sum(r["dapo/dropped_groups"] for r in rows) >= 2 and any(r["dapo/rounds"] > 1 for r in rows), rows
+    assert not undocumented({k for r in rows for k in r}), "logged but missing in docs/operations.md"

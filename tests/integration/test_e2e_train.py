@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from documented_metrics import undocumented
 
 pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slow]
 
@@ -104,11 +105,13 @@ def test_tiny_config_single_process_learns_and_drafts(single_run):
     assert all(r["train/ratio_max"] == r["train/ratio_min"] == 1.0 for r in rows)
     # The CPU engine reports the intra-op threads it decoded with (the process's own).
     assert all(r["rollout/cpu_threads"] >= 1 for r in rows), [r.get("rollout/cpu_threads") for r in rows]
+    assert not undocumented({k for r in rows for k in r}), "logged but missing in docs/operations.md"
 
 
 def test_tiny_config_two_ranks_dp2_learns_and_drafts(tmp_path):
     rows = train(tmp_path, *SMALL, nproc=2)
     _check_learning_and_drafting(rows)
+    assert not undocumented({k for r in rows for k in r}), "logged but missing in docs/operations.md"
 
 
 def test_two_ranks_tp2_reshards_and_drafts(tmp_path):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from documented_metrics import undocumented
 
 pytestmark = [pytest.mark.cpu, pytest.mark.integration, pytest.mark.slow]
 
@@ -41,6 +42,7 @@ def test_two_ranks_live_dispatch(tmp_path):
     assert 0.0 <= row["histopipe/bubble_fraction"] < 1.0 and row["rollout/instances"] == 2
     assert row["rollout/engine_steps/0"] > 0 and row["rollout/engine_steps/1"] > 0
     assert row["rollout/instance_s/0"] > 0 and row["rollout/instance_s/1"] > 0
+    assert not undocumented(row), "logged but missing in docs/operations.md"
     assert row["histospec/generated_tokens"] == row["rollout/generated_tokens"] == row["response/len_mean"] * 16
     # Every request of the step came back once, whatever moved: 4 prompts x n=4.
     traces = [json.loads(x) for x in (tmp_path / "traces.jsonl").read_text().splitlines()]
