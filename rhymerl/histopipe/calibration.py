@@ -83,6 +83,9 @@ class StepCostFit:
         y = np.array([r[3] for r in self.rows])
         cols = [0, 1, 2, 3] if A[:, 3].any() else [0, 1, 2]
         full = dict(zip(cols, nonnegative_lstsq(A[:, cols], y)))
+        # A prefill cost the steps cannot tell from zero keeps the prior's: a free re-prefill
+        # would make every move between instances look free.
+        p = float(full.get(3, 0.0)) or self.prior.p
         return DecodeCostModel(a=max(float(full.get(0, 0.0)), 1e-6), b=float(full.get(1, 0.0)),
-                               c=float(full.get(2, 0.0)), p=float(full[3]) if 3 in full else self.prior.p,
+                               c=float(full.get(2, 0.0)), p=p,
                                max_batch=self.prior.max_batch, kv_capacity=self.prior.kv_capacity)

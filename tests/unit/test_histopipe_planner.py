@@ -140,6 +140,11 @@ def test_step_cost_fit_keeps_every_cost_nonnegative():
 
     clipped = DecodeCostModel(a=1e-6, b=0.003, c=2e-7, p=1e-4, max_batch=8, kv_capacity=10**6)
     assert sse(got) < sse(clipped) / 2
+    # Prefill that the step times cannot tell from free keeps the prior's price: at zero, every
+    # move between instances (a re-prefill) would look free to the scheduler.
+    for B, F in ((2, 300), (5, 40), (7, 1000)):
+        fit.add(B, 1000, 0.003 * B - 0.001 + 2e-7 * 1000 - 1e-6 * F, prefill_tokens=F)
+    assert fit.fit().p == 1e-4
 
 
 def test_calibration_file_and_step_cost_fit(tmp_path):
